@@ -1,0 +1,62 @@
+"""What the engine needs from a drafter."""
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Protocol, Sequence
+
+import mlx.core as mx
+
+
+@dataclass
+class Proposal:
+    """One round of drafts.
+
+    Args:
+        tokens: ``[k]`` drafted tokens, in order.
+        logits: ``[k, V]`` the logits each draft was drawn from (for DSpark
+            the Markov-corrected ones), or ``None`` if the drafter has no
+            proposal distribution.
+        confidence: ``[k]`` logits of the probability that draft ``i``
+            survives verification given that drafts ``0..i-1`` did, or
+            ``None`` without a confidence head.
+    """
+
+    tokens: mx.array
+    logits: Optional[mx.array] = None
+    confidence: Optional[mx.array] = None
+
+
+class Drafter(Protocol):
+    """A hidden-state drafter, as returned by a ``DrafterKind``'s ``load``.
+
+    The drafter's state lives in the caches it makes, so that a prompt cache
+    (target caches followed by drafter caches) holds everything and trims
+    together. Between rounds the drafter caches cover exactly the positions
+    the target caches cover.
+    """
+
+    name: str
+    block_size: int
+    taps: Sequence[int]
+    confidence_threshold: float
+
+    def check_target(self, target) -> None:
+        """Raise ``ValueError`` naming the mismatch if the drafter was not
+        trained for ``target`` (a ``mlx_dspark.targets.base.Target``)."""
+
+    def make_cache(self) -> list:
+        """Fresh drafter state."""
+
+    def commit(self, cache: list, hidden: List[mx.array]) -> None:
+        """Take in the target's taps (``[1, L, d]`` each, in ``taps`` order)
+        for ``L`` new positions whose tokens are now final."""
+
+    def propose(
+        self,
+        cache: list,
+        anchor: mx.array,
+        num_drafts: int,
+        draw: Optional[Callable[[mx.array], mx.array]] = None,
+    ) -> Proposal:
+        """Draft ``num_drafts`` tokens after ``anchor`` (the last emitted
+        token, not yet in the caches). ``draw`` maps ``[V]`` logits to a token;
+        ``None`` means argmax. Must leave ``cache`` as it found it."""

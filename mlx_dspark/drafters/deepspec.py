@@ -1,0 +1,198 @@
+"""DeepSpec drafters (DSpark and DFlash), as a drafter-kind plugin.
+
+DSpark drafts a block in one forward and chains it with a Markov head (each
+position corrected by the previous draft token); a confidence head predicts
+which drafts will survive. DFlash is the same network without either head.
+The round follows DeepSpec's decode loop (``deepspec/eval``): the block is
+``[anchor, mask x (B-1)]`` at positions ``start .. start+B-1``, and the
+context is every committed position's target taps, concatenated in
+``target_layer_ids`` order.
+"""
+
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from ..checkpoints import load_network, require_keys
+from ..plugins import DrafterKind, hookimpl
+from . import gemma4_dspark
+from .base import Proposal
+
+REQUIRED_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "global_head_dim",
+    "vocab_size",
+    "rope_parameters",
+    "block_size",
+    "num_target_layers",
+    "target_layer_ids",
+    "mask_token_id",
+)
+
+
+def _argmax(logits: mx.array) -> mx.array:
+    return mx.argmax(logits, axis=-1)
+
+
+class DeepSpecDrafter:
+    """A loaded DSpark or DFlash drafter (see ``mlx_dspark.drafters.base.Drafter``).
+
+    Args:
+        model: The drafter network.
+        family: The target-adapter family it was trained for (``"gemma4"``).
+        confidence_threshold: Verify drafts only up to the first one whose
+            confidence ``σ(c_k)`` is below this (DeepSpec's per-position
+            threshold). ``0`` verifies every draft.
+    """
+
+    def __init__(self, model, family: str, path: Path, confidence_threshold: float = 0.0):
+        if not 0.0 <= confidence_threshold <= 1.0:
+            raise ValueError(
+                f"confidence_threshold must be in [0, 1], got {confidence_threshold}."
+            )
+        if confidence_threshold > 0 and model.confidence_head is None:
+            raise ValueError(
+                f"{path} has no confidence head (a DFlash drafter), so "
+                "confidence_threshold must be 0."
+            )
+        self.model = model
+        self.family = family
+        self.path = path
+        args = model.args
+        self.name = "dspark" if model.markov_head is not None else "dflash"
+        self.block_size = args.block_size
+        self.taps = tuple(args.target_layer_ids)
+        self.confidence_threshold = confidence_threshold
+        self._masks = mx.full((args.block_size - 1,), args.mask_token_id, mx.uint32)
+
+    def __repr__(self) -> str:
+        return f"<{self.name} drafter, block {self.block_size}, from {self.path}>"
+
+    def check_target(self, target) -> None:
+        args = self.model.args
+        problems = []
+        if target.family != self.family:
+            problems.append(
+                f"it drafts for {self.family} targets, not {target.family} "
+                f"({target.model_type})"
+            )
+        for what, want, have in (
+            ("decoder layers", args.num_target_layers, target.num_layers),
+            ("hidden size", args.hidden_size, target.hidden_size),
+            ("vocabulary size", args.vocab_size, target.vocab_size),
+        ):
+            if want != have:
+                problems.append(f"it expects {want} {what}, the target has {have}")
+        if problems:
+            raise ValueError(
+                f"The drafter {self.path} was not trained for this target: "
+                + "; ".join(problems)
+                + ". Use the drafter released for your target model."
+            )
+
+    def make_cache(self) -> list:
+        return [KVCache() for _ in self.model.layers]
+
+    def commit(self, cache: list, hidden: List[mx.array]) -> None:
+        self.model.add_context(mx.concatenate(hidden, axis=-1), cache)
+
+    def propose(
+        self,
+        cache: list,
+        anchor: mx.array,
+        num_drafts: int,
+        draw: Optional[Callable[[mx.array], mx.array]] = None,
+    ) -> Proposal:
+        draw = draw or _argmax
+        model = self.model
+        anchor = anchor.reshape(1).astype(mx.uint32)
+        block = mx.concatenate([anchor, self._masks])[None]
+        hidden = model(block, cache)[:, :num_drafts]
+        base_logits = model.compute_logits(hidden)
+
+        head = model.markov_head
+        if head is None:
+            logits = base_logits[0]
+            tokens = draw(logits)
+            prev_embeddings = None
+        else:
+            # Sequential: position k is corrected by the token drawn at k-1.
+            state = head.initial_state(hidden)
+            prev = anchor
+            tokens, steps, embeddings = [], [], []
+            for k in range(num_drafts):
+                embedding = head.markov_w1(prev)
+                bias, state = head.step(embedding, hidden[:, k], state)
+                step = base_logits[:, k] + bias
+                prev = draw(step).astype(mx.uint32)
+                tokens.append(prev)
+                steps.append(step)
+                embeddings.append(embedding)
+            tokens = mx.concatenate(tokens)
+            logits = mx.concatenate(steps)
+            prev_embeddings = mx.stack(embeddings, axis=1)
+
+        confidence = None
+        if model.confidence_head is not None:
+            features = hidden
+            if model.args.confidence_head_with_markov:
+                features = mx.concatenate(
+                    [hidden, prev_embeddings.astype(hidden.dtype)], axis=-1
+                )
+            confidence = model.confidence_head(features)[0]
+        return Proposal(tokens=tokens.astype(mx.uint32), logits=logits, confidence=confidence)
+
+
+def validate_config(config: dict, path: Path) -> None:
+    require_keys(config, REQUIRED_KEYS, path)
+    problems = []
+    layers = config["num_target_layers"]
+    ids = list(config["target_layer_ids"])
+    if not ids or ids != sorted(set(ids)) or ids[0] < -1 or ids[-1] >= layers - 1:
+        problems.append(
+            f"target_layer_ids {ids} must be strictly increasing, each in "
+            f"[-1, {layers - 2}] (the last target layer cannot be tapped)"
+        )
+    if config["block_size"] < 1:
+        problems.append(f"block_size {config['block_size']} must be >= 1")
+    if config.get("attention_k_eq_v") and not config.get("num_global_key_value_heads"):
+        problems.append("attention_k_eq_v needs num_global_key_value_heads")
+    rank = config.get("markov_rank", 0) or 0
+    if config.get("enable_confidence_head") and config.get(
+        "confidence_head_with_markov"
+    ) and rank <= 0:
+        problems.append("confidence_head_with_markov needs markov_rank > 0")
+    if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        problems.append(f"hidden_activation {config['hidden_activation']!r} is not supported")
+    if config.get("enable_moe_block") or config.get("hidden_size_per_layer_input"):
+        problems.append("MoE blocks and per-layer inputs are not part of DSpark drafters")
+    if "full_attention" not in config["rope_parameters"]:
+        problems.append("rope_parameters has no 'full_attention' entry")
+    if problems:
+        raise ValueError(f"{path}/config.json is not a valid DeepSpec drafter config: " + "; ".join(problems) + ".")
+
+
+def load_gemma4(path: Path, config: dict, confidence_threshold: float = 0.0, dtype=None):
+    validate_config(config, path)
+    model = load_network(path, gemma4_dspark.Model, gemma4_dspark.ModelArgs, dtype)
+    return DeepSpecDrafter(model, "gemma4", path, confidence_threshold)
+
+
+GEMMA4 = DrafterKind(
+    name="deepspec-gemma4",
+    architectures=("Gemma4DSparkModel",),
+    detect=lambda config: (config.get("architectures") or [None])[0]
+    == "Gemma4DSparkModel",
+    load=load_gemma4,
+)
+
+
+@hookimpl
+def mlx_dspark_drafter_kinds():
+    return [GEMMA4]

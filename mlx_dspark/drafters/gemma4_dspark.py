@@ -1,0 +1,189 @@
+"""DeepSpec's ``Gemma4DSparkModel``: the DSpark and DFlash drafters for Gemma-4.
+
+A few Gemma-4 layers whose queries are the draft block ``[anchor, mask, ...]``
+and whose keys/values are the block plus the target's hidden states of every
+committed position (projected by ``fc`` and ``hidden_norm``). All layers use
+the target's global attention geometry (``global_head_dim``, proportional
+RoPE, K = V when ``attention_k_eq_v``) without a mask: the block attends to
+the whole context and to itself bidirectionally.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import BaseModelArgs
+from mlx_lm.models.gemma4_text import geglu, logit_softcap
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .heads import ConfidenceHead, make_markov_head
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    global_head_dim: int
+    vocab_size: int
+    rope_parameters: Dict
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: List[int]
+    mask_token_id: int
+    num_global_key_value_heads: Optional[int] = None
+    attention_k_eq_v: bool = False
+    attention_bias: bool = False
+    rms_norm_eps: float = 1e-6
+    final_logit_softcapping: Optional[float] = None
+    max_position_embeddings: int = 131072
+    hidden_activation: str = "gelu_pytorch_tanh"
+    markov_rank: int = 0
+    markov_head_type: Optional[str] = None
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim = args.hidden_size
+        self.n_heads = args.num_attention_heads
+        self.head_dim = args.global_head_dim
+        self.k_eq_v = args.attention_k_eq_v
+        self.n_kv_heads = (
+            args.num_global_key_value_heads if self.k_eq_v else args.num_key_value_heads
+        )
+        self.eps = args.rms_norm_eps
+        bias = args.attention_bias
+
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        if not self.k_eq_v:
+            self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
+
+        rope = args.rope_parameters["full_attention"]
+        self.rope = initialize_rope(
+            dims=self.head_dim,
+            base=rope["rope_theta"],
+            traditional=False,
+            scaling_config=rope,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+
+    def keys_values(self, x: mx.array, offset: int):
+        B, L, _ = x.shape
+        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        values = keys
+        if not self.k_eq_v:
+            values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        keys = self.rope(self.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
+        values = mx.fast.rms_norm(values, None, self.eps).transpose(0, 2, 1, 3)
+        return keys, values
+
+    def add_context(self, context: mx.array, cache) -> None:
+        cache.update_and_fetch(*self.keys_values(context, cache.offset))
+
+    def __call__(self, x: mx.array, cache) -> mx.array:
+        B, L, _ = x.shape
+        offset = cache.offset
+        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+        queries = self.rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
+        # The block's own K/V are attended to, then dropped from the cache:
+        # only committed context stays.
+        keys, values = cache.update_and_fetch(*self.keys_values(x, offset))
+        cache.trim(L)
+        output = mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=1.0, mask=None
+        )
+        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        eps = args.rms_norm_eps
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
+        self.pre_feedforward_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
+        self.post_feedforward_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
+        self.layer_scalar = mx.ones((1,))
+
+    def __call__(self, x: mx.array, cache) -> mx.array:
+        h = self.self_attn(self.input_layernorm(x), cache)
+        h = x + self.post_attention_layernorm(h)
+        r = self.mlp(self.pre_feedforward_layernorm(h))
+        h = h + self.post_feedforward_layernorm(r)
+        return h * self.layer_scalar
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        dim = args.hidden_size
+        self.embed_tokens = nn.Embedding(args.vocab_size, dim)
+        self.fc = nn.Linear(len(args.target_layer_ids) * dim, dim, bias=False)
+        self.hidden_norm = nn.RMSNorm(dim, eps=args.rms_norm_eps)
+        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(dim, eps=args.rms_norm_eps)
+        self.lm_head = nn.Linear(dim, args.vocab_size, bias=False)
+        self.markov_head = make_markov_head(
+            args.markov_head_type, args.vocab_size, args.markov_rank, dim
+        )
+        self.confidence_head = None
+        if args.enable_confidence_head:
+            with_markov = args.confidence_head_with_markov
+            self.confidence_head = ConfidenceHead(
+                dim + (args.markov_rank if with_markov else 0)
+            )
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        h = self.embed_tokens(tokens)
+        # transformers casts sqrt(d) to the weight dtype first (62.0 in bf16).
+        return h * mx.array(self.args.hidden_size**0.5, dtype=h.dtype)
+
+    def add_context(self, features: mx.array, cache: list) -> None:
+        context = self.hidden_norm(self.fc(features))
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.add_context(context, c)
+
+    def __call__(self, tokens: mx.array, cache: list) -> mx.array:
+        h = self.embed(tokens)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, c)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: mx.array) -> mx.array:
+        logits = self.lm_head(hidden)
+        if self.args.final_logit_softcapping is not None:
+            logits = logit_softcap(self.args.final_logit_softcapping, logits)
+        return logits
+
+    def sanitize(self, weights: dict) -> dict:
+        # Non-persistent buffers some exporters still write.
+        return {
+            k: v
+            for k, v in weights.items()
+            if "rotary_emb" not in k and not k.endswith("embed_scale")
+        }
+

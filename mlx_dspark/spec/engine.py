@@ -1,0 +1,210 @@
+"""The speculative round loop (DeepSpec's decode loop, mlx-lm's step protocol).
+
+prefill (tapped) -> the target's first token -> per round: the drafter
+proposes a block after the anchor, the target verifies ``[anchor, drafts]`` in
+one forward, the longest agreeing prefix is kept plus the target's own next
+token, the target caches roll back to the kept prefix and the drafter takes in
+the target's taps of the kept positions. Between rounds the target and drafter
+caches both hold every position before the anchor.
+"""
+
+from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.sample_utils import greedy_sampler
+
+from ..plugins import find_target_adapter
+from .acceptance import greedy_accept
+from .stats import Round, SpeculativeStats
+
+
+def adapt_target(model: nn.Module, drafter):
+    target = find_target_adapter(model).adapt(model)
+    drafter.check_target(target)
+    return target
+
+
+def make_prompt_cache(model: nn.Module, drafter) -> List[Any]:
+    """The target's rollback-capable caches followed by the drafter's state."""
+    target = adapt_target(model, drafter)
+    return target.make_cache(drafter.block_size + 1) + drafter.make_cache()
+
+
+def _split_prompt_cache(prompt_cache, target, drafter):
+    if prompt_cache is None:
+        return target.make_cache(drafter.block_size + 1), drafter.make_cache()
+    num_draft = len(drafter.make_cache())
+    target_cache, draft_cache = prompt_cache[:-num_draft], prompt_cache[-num_draft:]
+    if any(isinstance(c, RotatingKVCache) for c in target_cache):
+        raise ValueError(
+            "This prompt cache cannot roll back rejected drafts once its sliding "
+            "window has filled (mlx_lm.models.cache.make_prompt_cache makes "
+            "RotatingKVCache); make it with mlx_dspark.make_prompt_cache(model, drafter)."
+        )
+    if len(target_cache) != len(target.make_cache(1)):
+        raise ValueError(
+            "The prompt cache was not made for this target and drafter; make it "
+            "with mlx_dspark.make_prompt_cache(model, drafter)."
+        )
+    if target_cache[0].offset != draft_cache[0].offset:
+        raise ValueError(
+            f"The prompt cache's target part covers {target_cache[0].offset} "
+            f"tokens but its drafter part {draft_cache[0].offset}; it was used "
+            "outside mlx-dspark. Make a new one with mlx_dspark.make_prompt_cache."
+        )
+    return target_cache, draft_cache
+
+
+def _check_options(sampler, logits_processors, kv_bits):
+    if sampler is not None and sampler is not greedy_sampler:
+        raise ValueError(
+            "Sampling (temperature > 0) is not supported by hidden-state drafting "
+            "yet; decode greedily (temp=0)."
+        )
+    if logits_processors:
+        raise ValueError(
+            "Logits processors (repetition penalty, logit bias, ...) are not "
+            "supported by hidden-state drafting yet."
+        )
+    if kv_bits is not None:
+        raise ValueError(
+            "A quantized KV cache (kv_bits) cannot roll back rejected drafts; "
+            "leave kv_bits unset for speculative decoding."
+        )
+
+
+def speculative_generate_step(
+    prompt: mx.array,
+    model: nn.Module,
+    drafter,
+    stream=generation_stream,
+    *,
+    num_draft_tokens: Optional[int] = None,
+    max_tokens: int = 256,
+    sampler: Optional[Callable] = None,
+    logits_processors: Optional[list] = None,
+    prompt_cache: Optional[List[Any]] = None,
+    prefill_step_size: int = 2048,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    stop_tokens: Sequence[int] = (),
+    stats: Optional[SpeculativeStats] = None,
+) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    """Speculative decoding with a hidden-state drafter, greedy (lossless:
+    exactly the target's own greedy tokens).
+
+    Yields ``(token, logprobs, from_draft)`` like mlx-lm's
+    ``speculative_generate_step``; ``logprobs`` are the target's
+    log-probabilities at that position. ``stop_tokens`` end a round inside
+    the accepted drafts (so no work is done past them); ``stats``, if given,
+    is filled in as rounds complete. The prompt cache (see
+    ``make_prompt_cache``) afterwards holds the prompt and every yielded token
+    but the last, target and drafter alike.
+    """
+    _check_options(sampler, logits_processors, kv_bits)
+    block_size = drafter.block_size
+    if num_draft_tokens is None:
+        num_draft_tokens = block_size
+    if not 1 <= num_draft_tokens <= block_size:
+        raise ValueError(
+            f"num_draft_tokens must be between 1 and the drafter's trained "
+            f"block size {block_size}, got {num_draft_tokens}."
+        )
+    if prompt.size == 0:
+        raise ValueError("The prompt is empty.")
+    target = adapt_target(model, drafter)
+    target_cache, draft_cache = _split_prompt_cache(prompt_cache, target, drafter)
+    stats = stats if stats is not None else SpeculativeStats(drafter.name, block_size)
+    stop_tokens = set(stop_tokens)
+    taps = drafter.taps
+    threshold = drafter.confidence_threshold
+    progress = prompt_progress_callback or (lambda *_: None)
+
+    def forward(tokens):
+        return target(tokens[None], target_cache, taps)
+
+    with mx.stream(stream):
+        prompt = prompt.astype(mx.uint32)
+        total, done = prompt.size, 0
+        progress(done, total)
+        while prompt.size - done > 1:
+            n = min(prefill_step_size, prompt.size - done - 1)
+            out = forward(prompt[done : done + n])
+            drafter.commit(draft_cache, out.hidden)
+            mx.eval([c.state for c in target_cache + draft_cache])
+            done += n
+            progress(done, total)
+            mx.clear_cache()
+        out = forward(prompt[done:])
+        drafter.commit(draft_cache, out.hidden)
+        logits = out.logits[0, -1:]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        anchor = mx.argmax(logits, axis=-1)
+        mx.eval(anchor)
+        progress(total, total)
+        first_position = target_cache[0].offset
+        yielded = 0
+
+        try:
+            token = anchor.item()
+            yield token, logprobs[0], False
+            yielded += 1
+            while token not in stop_tokens and yielded != max_tokens:
+                start = target_cache[0].offset
+                proposal = drafter.propose(draft_cache, anchor, num_draft_tokens)
+                num_verify = num_draft_tokens
+                if threshold > 0:
+                    confident = mx.sigmoid(proposal.confidence) >= threshold
+                    num_verify = int(mx.cumprod(confident.astype(mx.int32)).sum().item())
+
+                drafts = proposal.tokens[:num_verify]
+                out = forward(mx.concatenate([anchor.reshape(1), drafts]))
+                logits = out.logits[0]
+                target_tokens = mx.argmax(logits, axis=-1)
+                accepted = greedy_accept(drafts, target_tokens)
+                mx.eval(accepted, target_tokens, proposal.tokens, proposal.confidence)
+
+                accepted = accepted.item()
+                emitted = target_tokens[: accepted + 1].tolist()
+                next_token = emitted[-1]
+                for i, t in enumerate(emitted[:accepted]):
+                    if t in stop_tokens:
+                        accepted, emitted, next_token = i + 1, emitted[: i + 1], None
+                        break
+
+                for c in target_cache:
+                    c.trim(num_verify - accepted)
+                drafter.commit(draft_cache, [h[:, : accepted + 1] for h in out.hidden])
+                stats.history.append(
+                    Round(
+                        start=start,
+                        anchor=token,
+                        drafts=proposal.tokens.tolist(),
+                        confidence=(
+                            None
+                            if proposal.confidence is None
+                            else proposal.confidence.tolist()
+                        ),
+                        proposed=num_verify,
+                        accepted=accepted,
+                        next_token=next_token,
+                    )
+                )
+
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                for i, token in enumerate(emitted):
+                    yield token, logprobs[i], i < accepted
+                    yielded += 1
+                    if token in stop_tokens or yielded == max_tokens:
+                        break
+                anchor = target_tokens[accepted]
+        finally:
+            # Keep exactly the prompt and the yielded tokens but the last.
+            excess = target_cache[0].offset - (first_position + max(yielded - 1, 0))
+            for c in target_cache + draft_cache:
+                c.trim(excess)
