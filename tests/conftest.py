@@ -1,0 +1,36 @@
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DEEPSPEC_TINY = FIXTURES / "deepspec-tiny"
+
+# "ci" (the default) keeps the whole suite to a few minutes on two cores;
+# HYPOTHESIS_PROFILE=thorough explores far more examples.
+settings.register_profile(
+    "ci",
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    """The bundled trained tiny Gemma-4 target, its tokenizer, and the DSpark drafter."""
+    from mlx_lm import load
+
+    import mlx_dspark
+
+    model, tokenizer = load(str(DEEPSPEC_TINY / "target_tiny_gemma4"))
+    drafter = mlx_dspark.load_drafter(DEEPSPEC_TINY / "dspark_tiny_gemma4_block4")
+    return model, tokenizer, drafter

@@ -1,0 +1,113 @@
+"""Rollback of the target's caches at any context length."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import RotatingKVCache
+
+from mlx_dspark.cache import SlidingWindowKVCache
+from mlx_dspark.targets.gemma4 import Gemma4Target
+
+from tiny import tiny_gemma4
+
+H, D = 2, 8
+
+
+def attend(q, k, v, mask):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
+
+
+@st.composite
+def histories(draw):
+    """A window, a rollback depth and a sequence of (append k, keep j) steps
+    that runs several windows long, mixing verify-sized writes with prompt
+    chunks longer than the rollback depth."""
+    window = draw(st.integers(1, 9))
+    max_rollback = draw(st.integers(1, 6))
+    steps = []
+    for _ in range(draw(st.integers(1, 14))):
+        k = draw(st.one_of(st.integers(1, max_rollback), st.integers(1, 3 * window + 4)))
+        j = draw(st.integers(max(0, k - max_rollback), k))
+        steps.append((k, j))
+    return window, max_rollback, steps, draw(st.integers(0, 2**31 - 1))
+
+
+@given(histories())
+def test_rollback_equals_never_having_seen_the_dropped_tokens(case):
+    """After any sequence of (append k, keep j), every query attends exactly as
+    it would over a cache that only ever held the kept tokens."""
+    window, max_rollback, steps, seed = case
+    mx.random.seed(seed)
+    cache = SlidingWindowKVCache(window, max_rollback)
+    kept_k = mx.zeros((1, H, 0, D))
+    kept_v = mx.zeros((1, H, 0, D))
+    for k, j in steps + [(1, 1)]:
+        new_k, new_v, q = (mx.random.normal((1, H, k, D)) for _ in range(3))
+        mask = cache.make_mask(k, window_size=window)
+        keys, values = cache.update_and_fetch(new_k, new_v)
+        ours = attend(q, keys, values, mask)
+
+        offset = kept_k.shape[2]
+        ref_k = mx.concatenate([kept_k, new_k], axis=2)
+        ref_v = mx.concatenate([kept_v, new_v], axis=2)
+        expected = attend(q, ref_k, ref_v, create_causal_mask(k, offset, window_size=window))
+        np.testing.assert_allclose(np.array(ours), np.array(expected), atol=1e-5)
+
+        cache.trim(k - j)
+        kept_k, kept_v = ref_k[:, :, : offset + j], ref_v[:, :, : offset + j]
+        assert cache.offset == kept_k.shape[2]
+        # Memory is bounded by the window plus the rollback depth.
+        assert cache.keys.shape[2] == window - 1 + max_rollback
+
+
+def test_rolling_back_further_than_kept_history_is_refused():
+    cache = SlidingWindowKVCache(window=4, max_rollback=2)
+    cache.update_and_fetch(mx.zeros((1, 1, 10, 4)), mx.zeros((1, 1, 10, 4)))
+    cache.trim(2)
+    with pytest.raises(ValueError, match="Cannot roll back 1 tokens"):
+        cache.trim(1)
+
+
+@st.composite
+def target_histories(draw):
+    verify = draw(st.integers(1, 5))
+    steps = [
+        (k, draw(st.integers(1, k)))
+        for k in draw(st.lists(st.integers(1, verify), min_size=2, max_size=10))
+    ]
+    prompt = draw(st.lists(st.integers(5, 95), min_size=1, max_size=12))
+    return verify, prompt, steps, draw(st.integers(0, 1000))
+
+
+@given(target_histories(), st.sampled_from([dict(), dict(wrapper=True), dict(per_layer_input=8, kv_shared=2)]))
+def test_target_rollback_matches_a_fresh_run_on_the_kept_tokens(case, variant):
+    """Verify-and-trim on the target (sliding window 3, crossed many times)
+    leaves it predicting exactly what a run over only the kept tokens does."""
+    verify, prompt, steps, seed = case
+    target = Gemma4Target(tiny_gemma4(seed=seed % 7, window=3, **variant))
+    rng = np.random.default_rng(seed)
+    cache = target.make_cache(verify)
+    target(mx.array(prompt)[None], cache)
+    kept = list(prompt)
+    for k, j in steps:
+        tokens = rng.integers(5, 95, size=k).tolist()
+        target(mx.array(tokens)[None], cache)
+        for c in cache:
+            c.trim(k - j)
+        kept += tokens[:j]
+    probe = [7, 11]
+    ours = target(mx.array(probe)[None], cache).logits
+    fresh = target(mx.array(kept + probe)[None], target.make_cache(verify)).logits[:, -2:]
+    np.testing.assert_allclose(np.array(ours), np.array(fresh), atol=1e-4, rtol=1e-4)
+
+
+def test_mlx_lm_rotating_cache_cannot_roll_back_once_wrapped():
+    """Why this cache exists: mlx-lm's RotatingKVCache refuses trims after the
+    window fills, and its trim would not restore the overwritten entries."""
+    cache = RotatingKVCache(max_size=4)
+    for _ in range(5):
+        cache.update_and_fetch(mx.zeros((1, 1, 1, 2)), mx.zeros((1, 1, 1, 2)))
+    assert not cache.is_trimmable()

@@ -1,0 +1,171 @@
+"""Token-exact parity with DeepSpec's own decode loop (float32 oracle traces)."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+
+import mlx_dspark
+from mlx_dspark import SpeculativeStats, speculative_generate_step
+from mlx_dspark.targets.gemma4 import Gemma4Target
+
+from conftest import DEEPSPEC_TINY
+
+TRACES = json.loads((DEEPSPEC_TINY / "oracle_traces_float32_T0.json").read_text())
+RUNS = [(r["variant"], r["confidence_threshold"]) for r in TRACES["runs"]]
+MAX_NEW = TRACES["meta"]["max_new_tokens"]
+
+
+def run_of(variant, threshold):
+    return next(
+        r
+        for r in TRACES["runs"]
+        if (r["variant"], r["confidence_threshold"]) == (variant, threshold)
+    )
+
+
+@pytest.fixture(scope="module")
+def target():
+    model, _ = load(str(DEEPSPEC_TINY / "target_tiny_gemma4"))
+    return model
+
+
+def drafter_for(variant, threshold=0.0):
+    return mlx_dspark.load_drafter(
+        DEEPSPEC_TINY / f"{variant}_tiny_gemma4_block4", confidence_threshold=threshold
+    )
+
+
+def decode(model, drafter, prompt_ids, max_tokens):
+    stats = SpeculativeStats(drafter.name, drafter.block_size)
+    tokens = [
+        t
+        for t, _, _ in speculative_generate_step(
+            mx.array(prompt_ids), model, drafter, max_tokens=max_tokens, stats=stats
+        )
+    ]
+    return tokens, stats
+
+
+@pytest.mark.parametrize("variant,threshold", RUNS)
+def test_every_round_matches_deepspec(target, variant, threshold):
+    """Each round's drafted block, verified length, accepted drafts, target
+    token and confidence logits equal the reference's, for every sample."""
+    drafter = drafter_for(variant, threshold)
+    for sample in run_of(variant, threshold)["samples"]:
+        # Decode past max_new_tokens: the reference runs its last rounds to
+        # completion, and we want to compare every one of them.
+        tokens, stats = decode(target, drafter, sample["prompt_ids"], MAX_NEW + 8)
+        assert tokens[0] == sample["first_token_from_prefill"]
+        assert len(stats.history) >= len(sample["rounds"])
+        for ours, ref in zip(stats.history, sample["rounds"]):
+            assert ours.start == ref["start"]
+            assert ours.anchor == ref["anchor"]
+            assert ours.drafts == ref["block_tokens"]
+            assert ours.proposed == ref["proposal_len"]
+            assert ours.accepted == ref["accepted_draft_tokens"]
+            assert ours.next_token == ref["next_token"]
+            if variant == "dspark":
+                np.testing.assert_allclose(
+                    ours.confidence, ref["confidence_logits"], atol=1e-4
+                )
+            else:
+                assert ours.confidence is None
+
+
+@pytest.mark.parametrize("variant,threshold", RUNS)
+def test_outputs_and_acceptance_lengths_match_deepspec(target, variant, threshold):
+    drafter = drafter_for(variant, threshold)
+    for sample in run_of(variant, threshold)["samples"]:
+        tokens, stats = decode(target, drafter, sample["prompt_ids"], MAX_NEW)
+        assert tokens == sample["generated_ids"]
+        assert tokens == sample["target_greedy_reference"]
+        # The reference runs one more round when the budget is exactly used
+        # up by the previous one; we stop. Otherwise the lists are equal.
+        ref = sample["acceptance_lengths"]
+        ran = len(stats.history)
+        assert stats.acceptance_lengths == ref[:ran]
+        assert ran == len(ref) or (ran == len(ref) - 1 and 1 + sum(ref[:ran]) == MAX_NEW)
+
+
+def round0(variant, threshold):
+    return mx.load(
+        str(DEEPSPEC_TINY / f"round0_tensors_{variant}_thr{threshold}_float32_T0.safetensors")
+    )
+
+
+def test_target_taps_match_reference_prefill_features(target):
+    """The tapped forward returns the raw outputs of layers 1, 2, 4 (after
+    layer_scalar, before the final norm) exactly as DeepSpec captures them."""
+    sample = run_of("dspark", 0.0)["samples"][0]
+    tapped = Gemma4Target(target)
+    out = tapped(mx.array(sample["prompt_ids"])[None], tapped.make_cache(5), (1, 2, 4))
+    features = mx.concatenate(out.hidden, axis=-1)[0]
+    expected = round0("dspark", 0.0)["prefill_target_features"]
+    np.testing.assert_allclose(np.array(features), np.array(expected), atol=1e-5)
+    assert mx.argmax(out.logits[0, -1]).item() == sample["first_token_from_prefill"]
+
+
+@pytest.mark.parametrize("variant,threshold", RUNS)
+def test_round0_tensors(variant, threshold):
+    """Unit parity of the first round's context projection, block hidden,
+    soft-capped logits, Markov-corrected logits and confidence logits."""
+    ref = round0(variant, threshold)
+    sample = run_of(variant, threshold)["samples"][0]
+    drafter = drafter_for(variant, threshold)
+    model = drafter.model
+    features = ref["round0_new_context_raw_target_features"][None]
+
+    context = model.hidden_norm(model.fc(features))[0]
+    np.testing.assert_allclose(
+        np.array(context), np.array(ref["round0_context_features_after_fc_hidden_norm"]), atol=1e-5
+    )
+
+    cache = drafter.make_cache()
+    drafter.commit(cache, [features])
+    anchor = mx.array(sample["rounds"][0]["anchor"])
+    block = mx.concatenate([anchor.reshape(1).astype(mx.uint32), drafter._masks])[None]
+    hidden = model(block, cache)
+    np.testing.assert_allclose(
+        np.array(hidden[0]), np.array(ref["round0_block_hidden_after_final_norm"]), atol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.array(model.compute_logits(hidden)[0]),
+        np.array(ref["round0_base_logits_softcapped"]),
+        atol=1e-4,
+    )
+    proposal = drafter.propose(cache, anchor, drafter.block_size)
+    assert proposal.tokens.tolist() == sample["rounds"][0]["block_tokens"]
+    np.testing.assert_allclose(
+        np.array(proposal.logits), np.array(ref["round0_markov_corrected_logits"]), atol=1e-4
+    )
+    if variant == "dspark":
+        np.testing.assert_allclose(
+            np.array(proposal.confidence), np.array(ref["round0_confidence_logits"]), atol=1e-4
+        )
+    assert cache[0].offset == len(sample["prompt_ids"]), "propose must not grow the cache"
+
+
+@pytest.mark.parametrize("variant,threshold", RUNS)
+def test_drafter_replay_without_target(variant, threshold):
+    """Fed the reference's context features round by round, the drafter alone
+    reproduces every block, confidence and cache length."""
+    replay = mx.load(str(DEEPSPEC_TINY / "replay_context_features_float32_T0.safetensors"))
+    drafter = drafter_for(variant, threshold)
+    for s, sample in enumerate(run_of(variant, threshold)["samples"]):
+        cache = drafter.make_cache()
+        for r, rnd in enumerate(sample["rounds"]):
+            assert cache[0].offset == rnd["draft_cache_len_before"]
+            features = replay[f"{variant}_thr{threshold}_s{s}_r{r}_new_context_raw_target_features"]
+            lo, hi = rnd["new_context_positions"]
+            assert features.shape[0] == hi - lo
+            drafter.commit(cache, [features[None]])
+            assert cache[0].offset == rnd["draft_cache_len_after"] == rnd["start"]
+            proposal = drafter.propose(cache, mx.array(rnd["anchor"]), drafter.block_size)
+            assert proposal.tokens.tolist() == rnd["block_tokens"]
+            if proposal.confidence is not None:
+                np.testing.assert_allclose(
+                    np.array(proposal.confidence), rnd["confidence_logits"], atol=1e-4
+                )

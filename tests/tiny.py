@@ -1,0 +1,125 @@
+"""Tiny random float32 models for property tests."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models import gemma4, gemma4_text
+
+from mlx_dspark.drafters import gemma4_dspark
+from mlx_dspark.drafters.deepspec import DeepSpecDrafter
+
+ROPE = {
+    "full_attention": {
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 1e6,
+        "rope_type": "proportional",
+    },
+    "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"},
+}
+
+
+def randomize(model: nn.Module, seed: int, scale: float = 0.3) -> nn.Module:
+    """Gaussian weights (norm weights near 1) so that tiny models do not collapse
+    onto one token."""
+    key = mx.random.key(seed)
+    params = tree_flatten(model.parameters())
+    keys = mx.random.split(key, len(params))
+    new = []
+    for (name, p), k in zip(params, keys):
+        if "norm" in name or name.endswith("layer_scalar"):
+            new.append((name, 1.0 + 0.1 * mx.random.normal(p.shape, key=k)))
+        else:
+            new.append((name, scale * mx.random.normal(p.shape, key=k)))
+    model.load_weights(new)
+    mx.eval(model.parameters())
+    return model
+
+
+def gemma4_text_args(
+    layers=4,
+    window=4,
+    vocab=96,
+    hidden=32,
+    k_eq_v=True,
+    per_layer_input=0,
+    kv_shared=0,
+    layer_types=None,
+):
+    layer_types = layer_types or (
+        ["sliding_attention", "full_attention"] * layers
+    )[:layers]
+    return dict(
+        model_type="gemma4_text",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_key_value_heads=1,
+        num_global_key_value_heads=1,
+        num_kv_shared_layers=kv_shared,
+        hidden_size_per_layer_input=per_layer_input,
+        vocab_size=vocab,
+        vocab_size_per_layer_input=vocab,
+        sliding_window=window,
+        layer_types=layer_types,
+        attention_k_eq_v=k_eq_v,
+        use_double_wide_mlp=False,
+        rope_parameters=ROPE,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+    )
+
+
+def tiny_gemma4(seed=0, wrapper=False, **kwargs):
+    text_args = gemma4_text_args(**kwargs)
+    if wrapper:
+        model = gemma4.Model(
+            gemma4.ModelArgs(
+                model_type="gemma4",
+                text_config=dict(text_args),
+                vocab_size=text_args["vocab_size"],
+            )
+        )
+    else:
+        model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(text_args))
+    return randomize(model, seed)
+
+
+def tiny_dspark(
+    target_args: dict,
+    seed=1,
+    block_size=4,
+    taps=(0, 1),
+    markov_rank=8,
+    markov_head_type="vanilla",
+    confidence=True,
+    confidence_threshold=0.0,
+    layers=1,
+):
+    args = gemma4_dspark.ModelArgs(
+        hidden_size=target_args["hidden_size"],
+        intermediate_size=2 * target_args["hidden_size"],
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_global_key_value_heads=1,
+        global_head_dim=32,
+        attention_k_eq_v=True,
+        vocab_size=target_args["vocab_size"],
+        rope_parameters=ROPE,
+        final_logit_softcapping=30.0,
+        block_size=block_size,
+        num_target_layers=target_args["num_hidden_layers"],
+        target_layer_ids=list(taps),
+        mask_token_id=4,
+        markov_rank=markov_rank,
+        markov_head_type=markov_head_type if markov_rank else None,
+        enable_confidence_head=confidence,
+        confidence_head_with_markov=confidence and markov_rank > 0,
+    )
+    model = randomize(gemma4_dspark.Model(args), seed)
+    return DeepSpecDrafter(model, "gemma4", Path("<random>"), confidence_threshold)
