@@ -88,11 +88,16 @@ def load_network(path: Path, model_class, args_class, dtype=None, lazy: bool = F
             f"{path} has no model*.safetensors weights; the download is "
             "incomplete or this is not a checkpoint directory."
         ) from None
-    except (ValueError, RuntimeError) as e:
+    except RuntimeError as e:
         raise ValueError(
-            f"The checkpoint in {path} does not match its config.json: "
-            f"{' '.join(str(e).split())} Re-download it, or check that config.json "
-            "and the weights belong together."
+            f"The weights in {path} cannot be read ({e}); the file is corrupt or "
+            "truncated. Re-download the checkpoint."
+        ) from None
+    except ValueError as e:
+        raise ValueError(
+            f"The weights in {path} do not match its config.json: "
+            f"{' '.join(str(e).split()).rstrip('.')}. Re-download the checkpoint, or check "
+            "that config.json and the weights belong together."
         ) from None
     return model
 

@@ -1,0 +1,222 @@
+"""Losslessness: speculative output == the target's own greedy output."""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from hypothesis import given
+from hypothesis import strategies as st
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache
+
+import mlx_dspark
+from mlx_dspark import SpeculativeStats, speculative_generate_step
+from mlx_dspark.drafters.base import Proposal
+
+from conftest import DEEPSPEC_TINY
+from tiny import gemma4_text_args, tiny_dspark, tiny_gemma4
+
+
+def plain_greedy(model, prompt, max_tokens):
+    """mlx-lm's own non-speculative greedy decoding."""
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+def speculative(model, drafter, prompt, max_tokens, **kwargs):
+    stats = SpeculativeStats(drafter.name, drafter.block_size)
+    steps = speculative_generate_step(
+        mx.array(prompt), model, drafter, max_tokens=max_tokens, stats=stats, **kwargs
+    )
+    return [t for t, _, _ in steps], stats
+
+
+TRAINED = {
+    variant: {
+        thr: mlx_dspark.load_drafter(
+            DEEPSPEC_TINY / f"{variant}_tiny_gemma4_block4", confidence_threshold=thr
+        )
+        for thr in ((0.0, 0.3, 0.6, 0.9) if variant == "dspark" else (0.0,))
+    }
+    for variant in ("dspark", "dflash")
+}
+
+
+@given(
+    prompt=st.lists(st.integers(5, 511), min_size=1, max_size=30),
+    variant=st.sampled_from(["dspark", "dflash"]),
+    threshold=st.sampled_from([0.0, 0.3, 0.6, 0.9]),
+    num_draft_tokens=st.integers(1, 4),
+    max_tokens=st.integers(1, 64),
+)
+def test_trained_pair_is_lossless_across_the_sliding_window(
+    tiny_pair, prompt, variant, threshold, num_draft_tokens, max_tokens
+):
+    """The trained tiny pair (window 8) over random prompts, block sizes and
+    thresholds, for lengths that cross the window several times."""
+    model = tiny_pair[0]
+    drafter = TRAINED[variant].get(threshold, TRAINED[variant][0.0])
+    ours, stats = speculative(
+        model, drafter, prompt, max_tokens, num_draft_tokens=num_draft_tokens
+    )
+    assert ours == plain_greedy(model, prompt, max_tokens)
+    assert all(r.proposed <= num_draft_tokens for r in stats.history)
+
+
+@st.composite
+def random_pairs(draw):
+    layers = draw(st.integers(2, 5))
+    target_kwargs = dict(
+        layers=layers,
+        window=draw(st.integers(2, 6)),
+        k_eq_v=draw(st.booleans()),
+        wrapper=draw(st.booleans()),
+    )
+    if draw(st.booleans()):
+        target_kwargs.update(per_layer_input=8, kv_shared=draw(st.integers(0, layers - 2)))
+    taps = sorted(draw(st.sets(st.integers(-1, layers - 2), min_size=1, max_size=3)))
+    rank = draw(st.sampled_from([0, 4, 8]))
+    drafter_kwargs = dict(
+        block_size=draw(st.integers(1, 6)),
+        taps=taps,
+        markov_rank=rank,
+        markov_head_type=draw(st.sampled_from(["vanilla", "gated", "rnn"])),
+        confidence=draw(st.booleans()),
+        layers=draw(st.integers(1, 2)),
+    )
+    if drafter_kwargs["confidence"]:
+        drafter_kwargs["confidence_threshold"] = draw(st.sampled_from([0.0, 0.5]))
+    seed = draw(st.integers(0, 10_000))
+    prompt = draw(st.lists(st.integers(0, 95), min_size=1, max_size=20))
+    return target_kwargs, drafter_kwargs, seed, prompt, draw(st.integers(1, 40))
+
+
+@given(random_pairs())
+def test_random_models_are_lossless(case):
+    """Random targets (dense, per-layer inputs, KV sharing, the gemma4
+    wrapper; tiny windows) with random DSpark/DFlash drafters (every Markov
+    head type, confidence threshold, taps including the embedding)."""
+    target_kwargs, drafter_kwargs, seed, prompt, max_tokens = case
+    model = tiny_gemma4(seed=seed, **target_kwargs)
+    args = gemma4_text_args(**{k: v for k, v in target_kwargs.items() if k != "wrapper"})
+    drafter = tiny_dspark(args, seed=seed + 1, **drafter_kwargs)
+    ours, _ = speculative(model, drafter, prompt, max_tokens)
+    assert ours == plain_greedy(model, prompt, max_tokens)
+
+
+@dataclass
+class Counter:
+    """Drafter state of the scripted drafter: just the committed length."""
+
+    offset: int = 0
+
+    def trim(self, n):
+        self.offset -= n
+        return n
+
+    def is_trimmable(self):
+        return True
+
+    @property
+    def state(self):
+        return []
+
+
+class ScriptedDrafter:
+    """Proposes the target's true continuation with scripted corruptions, so
+    every acceptance length (0..k) and rollback depth occurs."""
+
+    name = "scripted"
+    confidence_threshold = 0.0
+    taps = (0,)
+
+    def __init__(self, continuation, corruptions, block_size):
+        self.continuation = continuation
+        self.corruptions = corruptions
+        self.block_size = block_size
+        self.round = 0
+
+    def check_target(self, target):
+        pass
+
+    def make_cache(self):
+        return [Counter()]
+
+    def commit(self, cache, hidden):
+        cache[0].offset += hidden[0].shape[1]
+
+    def propose(self, cache, anchor, num_drafts, draw=None):
+        position = cache[0].offset + 1 - self.prompt_length
+        drafts = list(self.continuation[position : position + num_drafts])
+        drafts += [0] * (num_drafts - len(drafts))
+        wrong_at = self.corruptions[self.round % len(self.corruptions)]
+        if wrong_at < num_drafts:
+            drafts[wrong_at] = (drafts[wrong_at] + 1) % 96
+        self.round += 1
+        return Proposal(tokens=mx.array(drafts, mx.uint32))
+
+
+@given(
+    seed=st.integers(0, 1000),
+    prompt=st.lists(st.integers(0, 95), min_size=1, max_size=10),
+    block_size=st.integers(1, 6),
+    corruptions=st.lists(st.integers(0, 7), min_size=1, max_size=8),
+    max_tokens=st.integers(1, 40),
+)
+def test_any_draft_is_accepted_exactly_as_far_as_it_is_right(
+    seed, prompt, block_size, corruptions, max_tokens
+):
+    model = tiny_gemma4(seed=seed, window=3)
+    reference = plain_greedy(model, prompt, max_tokens + block_size + 1)
+    drafter = ScriptedDrafter(reference, corruptions, block_size)
+    drafter.prompt_length = len(prompt)
+    ours, stats = speculative(model, drafter, prompt, max_tokens)
+    assert ours == reference[:max_tokens]
+    for r, corrupt in zip(stats.history, corruptions * len(stats.history)):
+        assert r.accepted == min(corrupt, r.proposed)
+
+
+@given(
+    seed=st.integers(0, 1000),
+    prompt=st.lists(st.integers(0, 95), min_size=1, max_size=10),
+    stop_at=st.integers(0, 25),
+)
+def test_stop_token_inside_accepted_drafts_ends_generation_there(seed, prompt, stop_at):
+    model = tiny_gemma4(seed=seed, window=3)
+    reference = plain_greedy(model, prompt, 40)
+    stop = reference[stop_at]
+    drafter = ScriptedDrafter(reference, [99], 4)
+    drafter.prompt_length = len(prompt)
+    ours, stats = speculative(model, drafter, prompt, 40, stop_tokens=[stop])
+    assert ours == reference[: reference.index(stop) + 1]
+    last = stats.history[-1] if stats.history else None
+    if last is not None and stop in last.drafts[: last.accepted]:
+        assert last.next_token is None and last.acceptance_length == last.accepted
+
+
+@given(
+    prompt=st.lists(st.integers(5, 511), min_size=1, max_size=12),
+    follow_up=st.lists(st.integers(5, 511), min_size=1, max_size=12),
+    first=st.integers(1, 30),
+    second=st.integers(1, 30),
+)
+def test_prompt_cache_continues_exactly(tiny_pair, prompt, follow_up, first, second):
+    """A second turn on the prompt cache (holding the prompt and every
+    yielded token but the last, target and drafter alike) equals a fresh run
+    over the whole conversation."""
+    model, _, drafter = tiny_pair
+    cache = mlx_dspark.make_prompt_cache(model, drafter)
+    turn1, _ = speculative(model, drafter, prompt, first, prompt_cache=cache)
+    assert cache[0].offset == cache[-1].offset == len(prompt) + len(turn1) - 1
+    continuation = [turn1[-1]] + follow_up
+    turn2, _ = speculative(model, drafter, continuation, second, prompt_cache=cache)
+    assert turn2 == plain_greedy(model, prompt + turn1 + follow_up, second)
+
+
+def test_stats_follow_deepspec_definitions(tiny_pair):
+    model, _, drafter = tiny_pair
+    _, stats = speculative(model, drafter, [10, 20, 30], 30)
+    assert stats.rounds == len(stats.history) > 0
+    assert stats.drafted == sum(r.proposed for r in stats.history)
+    assert stats.tau == sum(r.accepted + 1 for r in stats.history) / stats.rounds
+    rates = stats.acceptance_by_position
+    assert len(rates) == drafter.block_size
+    assert all(a >= b for a, b in zip(rates, rates[1:]) if a is not None and b is not None)
