@@ -34,8 +34,12 @@ def run(generate, repeats):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=str(TINY / "target_tiny_gemma4"))
-    parser.add_argument("--draft-model", default=str(TINY / "dspark_tiny_gemma4_block4"))
-    parser.add_argument("--prompt", default="w65 w211 w266 w241 w234 w10 w325 w168 w387 w454")
+    parser.add_argument(
+        "--draft-model", default=str(TINY / "dspark_tiny_gemma4_block4")
+    )
+    parser.add_argument(
+        "--prompt", default="w65 w211 w266 w241 w234 w10 w325 w168 w387 w454"
+    )
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--num-draft-tokens", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
@@ -45,7 +49,9 @@ def main():
     model, tokenizer = load(args.model)
     drafter = mlx_dspark.load_drafter(args.draft_model)
     plain_tps, plain_tokens, _ = run(
-        lambda: mlx_lm_stream_generate(model, tokenizer, args.prompt, max_tokens=args.max_tokens),
+        lambda: mlx_lm_stream_generate(
+            model, tokenizer, args.prompt, max_tokens=args.max_tokens
+        ),
         args.repeats,
     )
     spec_tps, spec_tokens, last = run(

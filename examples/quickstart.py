@@ -16,8 +16,12 @@ TINY = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "deepspec
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=str(TINY / "target_tiny_gemma4"))
-    parser.add_argument("--draft-model", default=str(TINY / "dspark_tiny_gemma4_block4"))
-    parser.add_argument("--prompt", default="w65 w211 w266 w241 w234 w10 w325 w168 w387 w454")
+    parser.add_argument(
+        "--draft-model", default=str(TINY / "dspark_tiny_gemma4_block4")
+    )
+    parser.add_argument(
+        "--prompt", default="w65 w211 w266 w241 w234 w10 w325 w168 w387 w454"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--confidence-threshold", type=float, default=0.0)
     args = parser.parse_args()
@@ -40,7 +44,9 @@ def main():
 
     plain = [
         r.token
-        for r in mlx_lm_stream_generate(model, tokenizer, args.prompt, max_tokens=args.max_tokens)
+        for r in mlx_lm_stream_generate(
+            model, tokenizer, args.prompt, max_tokens=args.max_tokens
+        )
     ]
     print(f"identical to plain greedy decoding: {tokens == plain}")
 

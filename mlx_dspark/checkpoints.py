@@ -17,7 +17,9 @@ DRAFTER_FILES = ["*.json", "*.safetensors"]
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
-def resolve_checkpoint(path_or_hub_id: Union[str, Path], revision: Optional[str] = None) -> Path:
+def resolve_checkpoint(
+    path_or_hub_id: Union[str, Path], revision: Optional[str] = None
+) -> Path:
     """A local checkpoint directory, or a Hugging Face Hub id resolved through
     ``huggingface_hub`` (its cache; ``HF_HUB_OFFLINE=1`` is honoured)."""
     path = Path(path_or_hub_id).expanduser()
@@ -102,7 +104,9 @@ def load_network(path: Path, model_class, args_class, dtype=None, lazy: bool = F
     return model
 
 
-def load_drafter(path_or_hub_id: Union[str, Path], revision: Optional[str] = None, **options):
+def load_drafter(
+    path_or_hub_id: Union[str, Path], revision: Optional[str] = None, **options
+):
     """Load a drafter checkpoint (a local directory or a Hub id).
 
     The installed drafter kinds (plugins) decide what the checkpoint is from

@@ -50,10 +50,14 @@ def stream_generate(
     ``mlx_lm.stream_generate``.
     """
     if draft is None:
-        yield from mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens, **kwargs)
+        yield from mlx_lm_stream_generate(
+            model, tokenizer, prompt, max_tokens, **kwargs
+        )
         return
     if max_tokens == 0:
-        raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
+        raise ValueError(
+            "Maximum number of tokens must be non-zero (use -1 for no limit)."
+        )
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt = _encode(tokenizer, prompt)
@@ -103,7 +107,9 @@ def stream_generate(
         yield response(token, logprobs, from_draft, n, finish)
 
 
-def generate(model: nn.Module, tokenizer, prompt, draft=None, verbose: bool = False, **kwargs) -> str:
+def generate(
+    model: nn.Module, tokenizer, prompt, draft=None, verbose: bool = False, **kwargs
+) -> str:
     """Like ``mlx_lm.generate``: the whole completion as a string; with
     ``verbose`` it streams the text and prints timings and the speculative
     statistics."""
@@ -121,7 +127,9 @@ def generate(model: nn.Module, tokenizer, prompt, draft=None, verbose: bool = Fa
         if response is None or not text:
             print("No text generated for this prompt")
             return text
-        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+        print(
+            f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec"
+        )
         print(
             f"Generation: {response.generation_tokens} tokens, "
             f"{response.generation_tps:.3f} tokens-per-sec"

@@ -161,4 +161,3 @@ def find_target_adapter(model, pm: Optional[pluggy.PluginManager] = None):
         f"model_type={getattr(model, 'model_type', None)!r}) is not supported "
         f"for hidden-state drafting; installed target adapters: {names}."
     )
-

@@ -1,4 +1,5 @@
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,14 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A writable copy of the tiny DSpark checkpoint."""
+    path = tmp_path / "dspark"
+    shutil.copytree(DEEPSPEC_TINY / "dspark_tiny_gemma4_block4", path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_pair():
     """The bundled trained tiny Gemma-4 target, its tokenizer, and the DSpark drafter."""
@@ -34,3 +43,19 @@ def tiny_pair():
     model, tokenizer = load(str(DEEPSPEC_TINY / "target_tiny_gemma4"))
     drafter = mlx_dspark.load_drafter(DEEPSPEC_TINY / "dspark_tiny_gemma4_block4")
     return model, tokenizer, drafter
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An offline Hugging Face cache holding deepseek-ai/dspark_tiny."""
+    import huggingface_hub.constants as constants
+
+    repo = tmp_path / "models--deepseek-ai--dspark_tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    shutil.copytree(
+        DEEPSPEC_TINY / "dspark_tiny_gemma4_block4", repo / "snapshots" / "0123abcd"
+    )
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path

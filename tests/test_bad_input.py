@@ -1,7 +1,6 @@
 """Bad input gets a precise ValueError that says what to do, and nothing is lost."""
 
 import json
-import shutil
 
 import mlx.core as mx
 import pytest
@@ -16,14 +15,6 @@ from tiny import tiny_gemma4
 
 DSPARK = DEEPSPEC_TINY / "dspark_tiny_gemma4_block4"
 DFLASH = DEEPSPEC_TINY / "dflash_tiny_gemma4_block4"
-
-
-@pytest.fixture
-def checkpoint(tmp_path):
-    """A writable copy of the tiny DSpark checkpoint."""
-    path = tmp_path / "dspark"
-    shutil.copytree(DSPARK, path)
-    return path
 
 
 def edit_config(path, **changes):
@@ -69,7 +60,10 @@ def test_config_that_is_not_json(checkpoint):
 
 def test_unknown_architecture(checkpoint):
     edit_config(checkpoint, architectures=["LlamaForCausalLM"])
-    refused(r"not a drafter checkpoint .*LlamaForCausalLM.*deepspec-gemma4 \(Gemma4DSparkModel\)", checkpoint)
+    refused(
+        r"not a drafter checkpoint .*LlamaForCausalLM.*deepspec-gemma4 \(Gemma4DSparkModel\)",
+        checkpoint,
+    )
 
 
 def test_missing_config_field(checkpoint):
@@ -79,7 +73,10 @@ def test_missing_config_field(checkpoint):
 
 def test_tapping_the_last_target_layer(checkpoint):
     edit_config(checkpoint, target_layer_ids=[1, 5])
-    refused(r"target_layer_ids \[1, 5\] must be strictly increasing, each in \[-1, 4\]", checkpoint)
+    refused(
+        r"target_layer_ids \[1, 5\] must be strictly increasing, each in \[-1, 4\]",
+        checkpoint,
+    )
 
 
 def test_unknown_markov_head(checkpoint):
@@ -100,37 +97,30 @@ def test_corrupt_weights(checkpoint):
 
 def test_missing_tensor(checkpoint):
     edit_weights(checkpoint, drop=["markov_head.markov_w2.weight"])
-    refused("do not match its config.json: Missing 1 parameters: markov_head.markov_w2.weight", checkpoint)
+    refused(
+        "do not match its config.json: Missing 1 parameters: markov_head.markov_w2.weight",
+        checkpoint,
+    )
 
 
 def test_misshapen_tensor(checkpoint):
     edit_weights(checkpoint, replace={"fc.weight": mx.zeros((64, 128))})
-    refused(r"Expected shape \(64, 192\) but received shape \(64, 128\) for parameter fc.weight", checkpoint)
-
-
-def test_sharded_checkpoint_loads(checkpoint):
-    weights = mx.load(str(checkpoint / "model.safetensors"))
-    names = sorted(weights)
-    (checkpoint / "model.safetensors").unlink()
-    for i, part in enumerate((names[::2], names[1::2])):
-        mx.save_safetensors(
-            str(checkpoint / f"model-0000{i + 1}-of-00002.safetensors"),
-            {n: weights[n] for n in part},
-        )
-    drafter = mlx_dspark.load_drafter(checkpoint)
-    reference = mlx_dspark.load_drafter(DSPARK)
-    anchor = mx.array(62)
-    a, b = drafter.make_cache(), reference.make_cache()
-    feats = [mx.ones((1, 3, 192))]
-    drafter.commit(a, feats)
-    reference.commit(b, feats)
-    assert drafter.propose(a, anchor, 4).tokens.tolist() == reference.propose(b, anchor, 4).tokens.tolist()
+    refused(
+        r"Expected shape \(64, 192\) but received shape \(64, 128\) for parameter fc.weight",
+        checkpoint,
+    )
 
 
 def test_bad_options():
-    refused(r"confidence_threshold must be in \[0, 1\]", DSPARK, confidence_threshold=1.5)
+    refused(
+        r"confidence_threshold must be in \[0, 1\]", DSPARK, confidence_threshold=1.5
+    )
     refused("no confidence head", DFLASH, confidence_threshold=0.5)
-    refused("take the options confidence_threshold, dtype; got temperature", DSPARK, temperature=0.7)
+    refused(
+        "take the options confidence_threshold, dtype; got temperature",
+        DSPARK,
+        temperature=0.7,
+    )
     refused("dtype must be one of", DSPARK, dtype="int8")
 
 
@@ -147,15 +137,23 @@ def test_drafter_paired_with_the_wrong_target(change, problem):
     shape.update(change)
     model = tiny_gemma4(**shape)
     drafter = mlx_dspark.load_drafter(DSPARK)
-    with pytest.raises(ValueError, match=f"was not trained for this target: .*{problem}"):
+    with pytest.raises(
+        ValueError, match=f"was not trained for this target: .*{problem}"
+    ):
         next(speculative_generate_step(mx.array([1, 2]), model, drafter))
 
 
 @pytest.mark.parametrize(
     "options,problem",
     [
-        (dict(num_draft_tokens=0), "num_draft_tokens must be between 1 and the drafter's trained block size 4, got 0"),
-        (dict(num_draft_tokens=5), "num_draft_tokens must be between 1 and the drafter's trained block size 4, got 5"),
+        (
+            dict(num_draft_tokens=0),
+            "num_draft_tokens must be between 1 and the drafter's trained block size 4, got 0",
+        ),
+        (
+            dict(num_draft_tokens=5),
+            "num_draft_tokens must be between 1 and the drafter's trained block size 4, got 5",
+        ),
         (dict(kv_bits=4), "quantized KV cache"),
         (dict(sampler=make_sampler(temp=0.7)), "Sampling"),
     ],
@@ -170,7 +168,11 @@ def test_mlx_lm_prompt_cache_is_refused(tiny_pair):
     model, _, drafter = tiny_pair
     cache = mlx_lm_make_prompt_cache(model) + drafter.make_cache()
     with pytest.raises(ValueError, match="mlx_dspark.make_prompt_cache"):
-        next(speculative_generate_step(mx.array([1, 2]), model, drafter, prompt_cache=cache))
+        next(
+            speculative_generate_step(
+                mx.array([1, 2]), model, drafter, prompt_cache=cache
+            )
+        )
 
 
 def test_empty_prompt(tiny_pair):
@@ -179,24 +181,8 @@ def test_empty_prompt(tiny_pair):
         next(speculative_generate_step(mx.array([], mx.uint32), model, drafter))
 
 
-@pytest.fixture
-def offline_hub(tmp_path, monkeypatch):
-    """An offline Hugging Face cache holding deepseek-ai/dspark_tiny."""
-    import huggingface_hub.constants as constants
-
-    repo = tmp_path / "models--deepseek-ai--dspark_tiny"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text("0123abcd")
-    shutil.copytree(DSPARK, repo / "snapshots" / "0123abcd")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return tmp_path
-
-
-def test_hub_id_resolves_from_the_cache_offline(offline_hub):
-    drafter = mlx_dspark.load_drafter("deepseek-ai/dspark_tiny")
-    assert drafter.name == "dspark" and drafter.block_size == 4
-
-
 def test_uncached_hub_id_offline(offline_hub):
-    refused(r"deepseek-ai/missing is not a local directory .*hf download deepseek-ai/missing", "deepseek-ai/missing")
+    refused(
+        r"deepseek-ai/missing is not a local directory .*hf download deepseek-ai/missing",
+        "deepseek-ai/missing",
+    )

@@ -29,7 +29,9 @@ def histories(draw):
     max_rollback = draw(st.integers(1, 6))
     steps = []
     for _ in range(draw(st.integers(1, 14))):
-        k = draw(st.one_of(st.integers(1, max_rollback), st.integers(1, 3 * window + 4)))
+        k = draw(
+            st.one_of(st.integers(1, max_rollback), st.integers(1, 3 * window + 4))
+        )
         j = draw(st.integers(max(0, k - max_rollback), k))
         steps.append((k, j))
     return window, max_rollback, steps, draw(st.integers(0, 2**31 - 1))
@@ -53,7 +55,9 @@ def test_rollback_equals_never_having_seen_the_dropped_tokens(case):
         offset = kept_k.shape[2]
         ref_k = mx.concatenate([kept_k, new_k], axis=2)
         ref_v = mx.concatenate([kept_v, new_v], axis=2)
-        expected = attend(q, ref_k, ref_v, create_causal_mask(k, offset, window_size=window))
+        expected = attend(
+            q, ref_k, ref_v, create_causal_mask(k, offset, window_size=window)
+        )
         np.testing.assert_allclose(np.array(ours), np.array(expected), atol=1e-5)
 
         cache.trim(k - j)
@@ -82,7 +86,10 @@ def target_histories(draw):
     return verify, prompt, steps, draw(st.integers(0, 1000))
 
 
-@given(target_histories(), st.sampled_from([dict(), dict(wrapper=True), dict(per_layer_input=8, kv_shared=2)]))
+@given(
+    target_histories(),
+    st.sampled_from([dict(), dict(wrapper=True), dict(per_layer_input=8, kv_shared=2)]),
+)
 def test_target_rollback_matches_a_fresh_run_on_the_kept_tokens(case, variant):
     """Verify-and-trim on the target (sliding window 3, crossed many times)
     leaves it predicting exactly what a run over only the kept tokens does."""
@@ -100,7 +107,9 @@ def test_target_rollback_matches_a_fresh_run_on_the_kept_tokens(case, variant):
         kept += tokens[:j]
     probe = [7, 11]
     ours = target(mx.array(probe)[None], cache).logits
-    fresh = target(mx.array(kept + probe)[None], target.make_cache(verify)).logits[:, -2:]
+    fresh = target(mx.array(kept + probe)[None], target.make_cache(verify)).logits[
+        :, -2:
+    ]
     np.testing.assert_allclose(np.array(ours), np.array(fresh), atol=1e-4, rtol=1e-4)
 
 

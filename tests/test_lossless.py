@@ -6,7 +6,6 @@ import mlx.core as mx
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache
 
 import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
@@ -71,7 +70,9 @@ def random_pairs(draw):
         wrapper=draw(st.booleans()),
     )
     if draw(st.booleans()):
-        target_kwargs.update(per_layer_input=8, kv_shared=draw(st.integers(0, layers - 2)))
+        target_kwargs.update(
+            per_layer_input=8, kv_shared=draw(st.integers(0, layers - 2))
+        )
     taps = sorted(draw(st.sets(st.integers(-1, layers - 2), min_size=1, max_size=3)))
     rank = draw(st.sampled_from([0, 4, 8]))
     drafter_kwargs = dict(
@@ -96,7 +97,9 @@ def test_random_models_are_lossless(case):
     head type, confidence threshold, taps including the embedding)."""
     target_kwargs, drafter_kwargs, seed, prompt, max_tokens = case
     model = tiny_gemma4(seed=seed, **target_kwargs)
-    args = gemma4_text_args(**{k: v for k, v in target_kwargs.items() if k != "wrapper"})
+    args = gemma4_text_args(
+        **{k: v for k, v in target_kwargs.items() if k != "wrapper"}
+    )
     drafter = tiny_dspark(args, seed=seed + 1, **drafter_kwargs)
     ours, _ = speculative(model, drafter, prompt, max_tokens)
     assert ours == plain_greedy(model, prompt, max_tokens)
@@ -219,4 +222,6 @@ def test_stats_follow_deepspec_definitions(tiny_pair):
     assert stats.tau == sum(r.accepted + 1 for r in stats.history) / stats.rounds
     rates = stats.acceptance_by_position
     assert len(rates) == drafter.block_size
-    assert all(a >= b for a, b in zip(rates, rates[1:]) if a is not None and b is not None)
+    assert all(
+        a >= b for a, b in zip(rates, rates[1:]) if a is not None and b is not None
+    )

@@ -19,7 +19,9 @@ def test_mlx_lm_diverges_at_the_window_and_we_do_not(tiny_pair):
     # An ordinary draft model that mostly agrees with the target: a noisy copy.
     draft, _ = load(str(DEEPSPEC_TINY / "target_tiny_gemma4"))
     mx.random.seed(0)
-    draft.update(tree_map(lambda p: p + 0.05 * mx.random.normal(p.shape), draft.parameters()))
+    draft.update(
+        tree_map(lambda p: p + 0.05 * mx.random.normal(p.shape), draft.parameters())
+    )
 
     window = model.args.sliding_window
     diverged_at = []
@@ -44,4 +46,6 @@ def test_mlx_lm_diverges_at_the_window_and_we_do_not(tiny_pair):
     # mlx-lm 0.32's RotatingKVCache stops rolling back once the window (8)
     # has filled: the outputs part from plain greedy only after that point.
     # If this starts failing, upstream has fixed the bug.
-    assert all(i is not None and len(p) + i >= window for p, i in zip(PROMPTS, diverged_at))
+    assert all(
+        i is not None and len(p) + i >= window for p, i in zip(PROMPTS, diverged_at)
+    )

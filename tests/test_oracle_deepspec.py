@@ -87,12 +87,17 @@ def test_outputs_and_acceptance_lengths_match_deepspec(target, variant, threshol
         ref = sample["acceptance_lengths"]
         ran = len(stats.history)
         assert stats.acceptance_lengths == ref[:ran]
-        assert ran == len(ref) or (ran == len(ref) - 1 and 1 + sum(ref[:ran]) == MAX_NEW)
+        assert ran == len(ref) or (
+            ran == len(ref) - 1 and 1 + sum(ref[:ran]) == MAX_NEW
+        )
 
 
 def round0(variant, threshold):
     return mx.load(
-        str(DEEPSPEC_TINY / f"round0_tensors_{variant}_thr{threshold}_float32_T0.safetensors")
+        str(
+            DEEPSPEC_TINY
+            / f"round0_tensors_{variant}_thr{threshold}_float32_T0.safetensors"
+        )
     )
 
 
@@ -120,7 +125,9 @@ def test_round0_tensors(variant, threshold):
 
     context = model.hidden_norm(model.fc(features))[0]
     np.testing.assert_allclose(
-        np.array(context), np.array(ref["round0_context_features_after_fc_hidden_norm"]), atol=1e-5
+        np.array(context),
+        np.array(ref["round0_context_features_after_fc_hidden_norm"]),
+        atol=1e-5,
     )
 
     cache = drafter.make_cache()
@@ -129,7 +136,9 @@ def test_round0_tensors(variant, threshold):
     block = mx.concatenate([anchor.reshape(1).astype(mx.uint32), drafter._masks])[None]
     hidden = model(block, cache)
     np.testing.assert_allclose(
-        np.array(hidden[0]), np.array(ref["round0_block_hidden_after_final_norm"]), atol=1e-5
+        np.array(hidden[0]),
+        np.array(ref["round0_block_hidden_after_final_norm"]),
+        atol=1e-5,
     )
     np.testing.assert_allclose(
         np.array(model.compute_logits(hidden)[0]),
@@ -139,31 +148,43 @@ def test_round0_tensors(variant, threshold):
     proposal = drafter.propose(cache, anchor, drafter.block_size)
     assert proposal.tokens.tolist() == sample["rounds"][0]["block_tokens"]
     np.testing.assert_allclose(
-        np.array(proposal.logits), np.array(ref["round0_markov_corrected_logits"]), atol=1e-4
+        np.array(proposal.logits),
+        np.array(ref["round0_markov_corrected_logits"]),
+        atol=1e-4,
     )
     if variant == "dspark":
         np.testing.assert_allclose(
-            np.array(proposal.confidence), np.array(ref["round0_confidence_logits"]), atol=1e-4
+            np.array(proposal.confidence),
+            np.array(ref["round0_confidence_logits"]),
+            atol=1e-4,
         )
-    assert cache[0].offset == len(sample["prompt_ids"]), "propose must not grow the cache"
+    assert cache[0].offset == len(sample["prompt_ids"]), (
+        "propose must not grow the cache"
+    )
 
 
 @pytest.mark.parametrize("variant,threshold", RUNS)
 def test_drafter_replay_without_target(variant, threshold):
     """Fed the reference's context features round by round, the drafter alone
     reproduces every block, confidence and cache length."""
-    replay = mx.load(str(DEEPSPEC_TINY / "replay_context_features_float32_T0.safetensors"))
+    replay = mx.load(
+        str(DEEPSPEC_TINY / "replay_context_features_float32_T0.safetensors")
+    )
     drafter = drafter_for(variant, threshold)
     for s, sample in enumerate(run_of(variant, threshold)["samples"]):
         cache = drafter.make_cache()
         for r, rnd in enumerate(sample["rounds"]):
             assert cache[0].offset == rnd["draft_cache_len_before"]
-            features = replay[f"{variant}_thr{threshold}_s{s}_r{r}_new_context_raw_target_features"]
+            features = replay[
+                f"{variant}_thr{threshold}_s{s}_r{r}_new_context_raw_target_features"
+            ]
             lo, hi = rnd["new_context_positions"]
             assert features.shape[0] == hi - lo
             drafter.commit(cache, [features[None]])
             assert cache[0].offset == rnd["draft_cache_len_after"] == rnd["start"]
-            proposal = drafter.propose(cache, mx.array(rnd["anchor"]), drafter.block_size)
+            proposal = drafter.propose(
+                cache, mx.array(rnd["anchor"]), drafter.block_size
+            )
             assert proposal.tokens.tolist() == rnd["block_tokens"]
             if proposal.confidence is not None:
                 np.testing.assert_allclose(

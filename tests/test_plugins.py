@@ -74,7 +74,9 @@ def installed_toy_plugin(tmp_path, monkeypatch):
     (tmp_path / "toy_drafter_plugin.py").write_text(TOY_PLUGIN)
     dist = tmp_path / "toy_drafter_plugin-0.1.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-drafter-plugin\nVersion: 0.1\n")
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: toy-drafter-plugin\nVersion: 0.1\n"
+    )
     (dist / "entry_points.txt").write_text(
         textwrap.dedent(
             """\
@@ -87,7 +89,9 @@ def installed_toy_plugin(tmp_path, monkeypatch):
     monkeypatch.setattr(plugins, "_manager", None)
     checkpoint = tmp_path / "repeat-drafter"
     checkpoint.mkdir()
-    (checkpoint / "config.json").write_text(json.dumps({"architectures": ["RepeatDrafter"], "block_size": 3}))
+    (checkpoint / "config.json").write_text(
+        json.dumps({"architectures": ["RepeatDrafter"], "block_size": 3})
+    )
     return checkpoint
 
 
@@ -99,7 +103,9 @@ def test_external_drafter_kind_is_discovered_and_used(installed_toy_plugin, tiny
 
     prompt = [65, 211, 266, 241]
     responses = list(
-        mlx_dspark.stream_generate(model, tokenizer, prompt, draft=drafter, max_tokens=20)
+        mlx_dspark.stream_generate(
+            model, tokenizer, prompt, draft=drafter, max_tokens=20
+        )
     )
     plain = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=20)]
     assert [r.token for r in responses] == plain[: len(responses)]
@@ -119,4 +125,6 @@ def test_builtin_kinds_come_from_entry_points_only():
 def test_no_installed_kind_explains_itself(tmp_path):
     bare = plugins.make_plugin_manager(load_entry_points=False)
     with pytest.raises(ValueError, match="no drafter kinds are installed"):
-        plugins.find_drafter_kind({"architectures": ["Gemma4DSparkModel"]}, tmp_path, bare)
+        plugins.find_drafter_kind(
+            {"architectures": ["Gemma4DSparkModel"]}, tmp_path, bare
+        )

@@ -31,8 +31,9 @@ def model_for(variant, quantize=False):
             model,
             group_size=32,
             bits=4,
-            class_predicate=lambda _, m: hasattr(m, "to_quantized")
-            and m.weight.shape[-1] % 32 == 0,
+            class_predicate=lambda _, m: (
+                hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0
+            ),
         )
     return model
 
@@ -81,7 +82,9 @@ def test_tapped_forward_agrees_with_mlx_lm_caches():
     for tokens in ([1, 2, 3, 4, 5, 6, 7], [8], [9, 10], [11]):
         x = mx.array(tokens)[None]
         np.testing.assert_allclose(
-            np.array(target(x, ours).logits), np.array(model(x, cache=theirs)), atol=1e-5
+            np.array(target(x, ours).logits),
+            np.array(model(x, cache=theirs)),
+            atol=1e-5,
         )
 
 
@@ -94,7 +97,10 @@ def test_model_is_not_modified():
     target = find_target_adapter(model).adapt(model)
     target(mx.array([[1, 2, 3]]), target.make_cache(2), (0, 1))
     assert {k: id(v) for k, v in vars(model).items()} == before
-    assert type(model).__call__ is cls_call and type(model.layers[0]).__call__ is layer_call
+    assert (
+        type(model).__call__ is cls_call
+        and type(model.layers[0]).__call__ is layer_call
+    )
 
 
 def test_unsupported_target_is_refused():

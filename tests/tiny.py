@@ -4,7 +4,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 from mlx_lm.models import gemma4, gemma4_text
 
 from mlx_dspark.drafters import gemma4_dspark
@@ -47,9 +47,9 @@ def gemma4_text_args(
     kv_shared=0,
     layer_types=None,
 ):
-    layer_types = layer_types or (
-        ["sliding_attention", "full_attention"] * layers
-    )[:layers]
+    layer_types = (
+        layer_types or (["sliding_attention", "full_attention"] * layers)[:layers]
+    )
     return dict(
         model_type="gemma4_text",
         hidden_size=hidden,

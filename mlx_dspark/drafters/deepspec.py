@@ -51,7 +51,9 @@ class DeepSpecDrafter:
             threshold). ``0`` verifies every draft.
     """
 
-    def __init__(self, model, family: str, path: Path, confidence_threshold: float = 0.0):
+    def __init__(
+        self, model, family: str, path: Path, confidence_threshold: float = 0.0
+    ):
         if not 0.0 <= confidence_threshold <= 1.0:
             raise ValueError(
                 f"confidence_threshold must be in [0, 1], got {confidence_threshold}."
@@ -146,7 +148,9 @@ class DeepSpecDrafter:
                     [hidden, prev_embeddings.astype(hidden.dtype)], axis=-1
                 )
             confidence = model.confidence_head(features)[0]
-        return Proposal(tokens=tokens.astype(mx.uint32), logits=logits, confidence=confidence)
+        return Proposal(
+            tokens=tokens.astype(mx.uint32), logits=logits, confidence=confidence
+        )
 
 
 def validate_config(config: dict, path: Path) -> None:
@@ -164,21 +168,33 @@ def validate_config(config: dict, path: Path) -> None:
     if config.get("attention_k_eq_v") and not config.get("num_global_key_value_heads"):
         problems.append("attention_k_eq_v needs num_global_key_value_heads")
     rank = config.get("markov_rank", 0) or 0
-    if config.get("enable_confidence_head") and config.get(
-        "confidence_head_with_markov"
-    ) and rank <= 0:
+    if (
+        config.get("enable_confidence_head")
+        and config.get("confidence_head_with_markov")
+        and rank <= 0
+    ):
         problems.append("confidence_head_with_markov needs markov_rank > 0")
     if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-        problems.append(f"hidden_activation {config['hidden_activation']!r} is not supported")
+        problems.append(
+            f"hidden_activation {config['hidden_activation']!r} is not supported"
+        )
     if config.get("enable_moe_block") or config.get("hidden_size_per_layer_input"):
-        problems.append("MoE blocks and per-layer inputs are not part of DSpark drafters")
+        problems.append(
+            "MoE blocks and per-layer inputs are not part of DSpark drafters"
+        )
     if "full_attention" not in config["rope_parameters"]:
         problems.append("rope_parameters has no 'full_attention' entry")
     if problems:
-        raise ValueError(f"{path}/config.json is not a valid DeepSpec drafter config: " + "; ".join(problems) + ".")
+        raise ValueError(
+            f"{path}/config.json is not a valid DeepSpec drafter config: "
+            + "; ".join(problems)
+            + "."
+        )
 
 
-def load_gemma4(path: Path, config: dict, confidence_threshold: float = 0.0, dtype=None):
+def load_gemma4(
+    path: Path, config: dict, confidence_threshold: float = 0.0, dtype=None
+):
     validate_config(config, path)
     model = load_network(path, gemma4_dspark.Model, gemma4_dspark.ModelArgs, dtype)
     return DeepSpecDrafter(model, "gemma4", path, confidence_threshold)
@@ -187,8 +203,9 @@ def load_gemma4(path: Path, config: dict, confidence_threshold: float = 0.0, dty
 GEMMA4 = DrafterKind(
     name="deepspec-gemma4",
     architectures=("Gemma4DSparkModel",),
-    detect=lambda config: (config.get("architectures") or [None])[0]
-    == "Gemma4DSparkModel",
+    detect=lambda config: (
+        (config.get("architectures") or [None])[0] == "Gemma4DSparkModel"
+    ),
     load=load_gemma4,
 )
 

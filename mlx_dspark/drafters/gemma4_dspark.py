@@ -186,4 +186,3 @@ class Model(nn.Module):
             for k, v in weights.items()
             if "rotary_emb" not in k and not k.endswith("embed_scale")
         }
-

@@ -49,7 +49,9 @@ class RNNMarkovHead(VanillaMarkovHead):
         return mx.zeros((*hidden.shape[:-2], self.rank), hidden.dtype)
 
     def step(self, prev_embedding, hidden, state):
-        z = mx.concatenate([state, prev_embedding.astype(hidden.dtype), hidden], axis=-1)
+        z = mx.concatenate(
+            [state, prev_embedding.astype(hidden.dtype), hidden], axis=-1
+        )
         gate, candidate, out = mx.split(self.joint_proj(z), 3, axis=-1)
         gate = mx.sigmoid(gate)
         state = gate * state + (1.0 - gate) * mx.tanh(candidate)

@@ -160,7 +160,9 @@ def speculative_generate_step(
                 num_verify = num_draft_tokens
                 if threshold > 0:
                     confident = mx.sigmoid(proposal.confidence) >= threshold
-                    num_verify = int(mx.cumprod(confident.astype(mx.int32)).sum().item())
+                    num_verify = int(
+                        mx.cumprod(confident.astype(mx.int32)).sum().item()
+                    )
 
                 drafts = proposal.tokens[:num_verify]
                 out = forward(mx.concatenate([anchor.reshape(1), drafts]))

@@ -67,7 +67,9 @@ class SpeculativeStats:
         for k in range(self.block_size):
             verified = [r for r in self.history if r.proposed > k]
             rates.append(
-                sum(r.accepted > k for r in verified) / len(verified) if verified else None
+                sum(r.accepted > k for r in verified) / len(verified)
+                if verified
+                else None
             )
         return rates
 
