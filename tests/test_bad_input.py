@@ -10,7 +10,7 @@ from mlx_lm.sample_utils import make_sampler
 import mlx_dspark
 from mlx_dspark import speculative_generate_step
 
-from conftest import DEEPSPEC_TINY
+from conftest import DEEPSPEC_TINY, FIXTURES
 from tiny import tiny_gemma4
 
 DSPARK = DEEPSPEC_TINY / "dspark_tiny_gemma4_block4"
@@ -140,6 +140,17 @@ def test_drafter_paired_with_the_wrong_target(change, problem):
     with pytest.raises(
         ValueError, match=f"was not trained for this target: .*{problem}"
     ):
+        next(speculative_generate_step(mx.array([1, 2]), model, drafter))
+
+
+def test_drafter_of_another_family():
+    from mlx_lm import load
+
+    model, _ = load(str(DEEPSPEC_TINY / "target_tiny_gemma4"))
+    drafter = mlx_dspark.load_drafter(
+        FIXTURES / "deepspec-qwen3-tiny" / "dspark_tiny_qwen3_block4"
+    )
+    with pytest.raises(ValueError, match="it drafts for qwen3 targets, not gemma4"):
         next(speculative_generate_step(mx.array([1, 2]), model, drafter))
 
 

@@ -9,9 +9,9 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import RotatingKVCache
 
 from mlx_dspark.cache import SlidingWindowKVCache
-from mlx_dspark.targets.gemma4 import Gemma4Target
+from mlx_dspark.plugins import find_target_adapter
 
-from tiny import tiny_gemma4
+from tiny import tiny_gemma4, tiny_qwen3
 
 H, D = 2, 8
 
@@ -86,15 +86,25 @@ def target_histories(draw):
     return verify, prompt, steps, draw(st.integers(0, 1000))
 
 
-@given(
-    target_histories(),
-    st.sampled_from([dict(), dict(wrapper=True), dict(per_layer_input=8, kv_shared=2)]),
-)
-def test_target_rollback_matches_a_fresh_run_on_the_kept_tokens(case, variant):
-    """Verify-and-trim on the target (sliding window 3, crossed many times)
-    leaves it predicting exactly what a run over only the kept tokens does."""
+TARGETS = {
+    "gemma4": lambda seed: tiny_gemma4(seed=seed, window=3),
+    "gemma4-wrapper": lambda seed: tiny_gemma4(seed=seed, window=3, wrapper=True),
+    "gemma4-kv-shared": lambda seed: tiny_gemma4(
+        seed=seed, window=3, per_layer_input=8, kv_shared=2
+    ),
+    "qwen3": lambda seed: tiny_qwen3(seed=seed),
+}
+
+
+@pytest.mark.parametrize("kind", TARGETS)
+@given(target_histories())
+def test_target_rollback_matches_a_fresh_run_on_the_kept_tokens(kind, case):
+    """Verify-and-trim on the target (Gemma-4: sliding window 3, crossed many
+    times) leaves it predicting exactly what a run over only the kept tokens
+    does."""
     verify, prompt, steps, seed = case
-    target = Gemma4Target(tiny_gemma4(seed=seed % 7, window=3, **variant))
+    model = TARGETS[kind](seed % 7)
+    target = find_target_adapter(model).adapt(model)
     rng = np.random.default_rng(seed)
     cache = target.make_cache(verify)
     target(mx.array(prompt)[None], cache)

@@ -1,18 +1,30 @@
 """Losslessness: speculative output == the target's own greedy output."""
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
 from mlx_dspark.drafters.base import Proposal
 
-from conftest import DEEPSPEC_TINY
-from tiny import gemma4_text_args, tiny_dspark, tiny_gemma4
+from conftest import FIXTURES
+from tiny import (
+    gemma4_text_args,
+    qwen3_args,
+    tiny_dspark,
+    tiny_gemma4,
+    tiny_qwen3,
+    tiny_qwen3_dspark,
+)
+
+FAMILIES = {"gemma4": "deepspec-tiny", "qwen3": "deepspec-qwen3-tiny"}
 
 
 def plain_greedy(model, prompt, max_tokens):
@@ -28,17 +40,18 @@ def speculative(model, drafter, prompt, max_tokens, **kwargs):
     return [t for t, _, _ in steps], stats
 
 
-TRAINED = {
-    variant: {
-        thr: mlx_dspark.load_drafter(
-            DEEPSPEC_TINY / f"{variant}_tiny_gemma4_block4", confidence_threshold=thr
-        )
-        for thr in ((0.0, 0.3, 0.6, 0.9) if variant == "dspark" else (0.0,))
-    }
-    for variant in ("dspark", "dflash")
-}
+@functools.lru_cache(maxsize=None)
+def trained(family, variant="dspark", threshold=0.0):
+    """The bundled trained tiny target of ``family`` and one of its drafters."""
+    path = FIXTURES / FAMILIES[family]
+    model, _ = load(str(path / f"target_tiny_{family}"))
+    drafter = mlx_dspark.load_drafter(
+        path / f"{variant}_tiny_{family}_block4", confidence_threshold=threshold
+    )
+    return model, drafter
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @given(
     prompt=st.lists(st.integers(5, 511), min_size=1, max_size=30),
     variant=st.sampled_from(["dspark", "dflash"]),
@@ -46,18 +59,49 @@ TRAINED = {
     num_draft_tokens=st.integers(1, 4),
     max_tokens=st.integers(1, 64),
 )
-def test_trained_pair_is_lossless_across_the_sliding_window(
-    tiny_pair, prompt, variant, threshold, num_draft_tokens, max_tokens
+def test_trained_pairs_are_lossless(
+    family, prompt, variant, threshold, num_draft_tokens, max_tokens
 ):
-    """The trained tiny pair (window 8) over random prompts, block sizes and
-    thresholds, for lengths that cross the window several times."""
-    model = tiny_pair[0]
-    drafter = TRAINED[variant].get(threshold, TRAINED[variant][0.0])
+    """The trained tiny pairs over random prompts, block sizes and thresholds;
+    for Gemma-4 (window 8) at lengths that cross the window several times."""
+    if variant == "dflash":
+        threshold = 0.0
+    model, drafter = trained(family, variant, threshold)
     ours, stats = speculative(
         model, drafter, prompt, max_tokens, num_draft_tokens=num_draft_tokens
     )
     assert ours == plain_greedy(model, prompt, max_tokens)
     assert all(r.proposed <= num_draft_tokens for r in stats.history)
+
+
+@st.composite
+def random_qwen3_pairs(draw):
+    layers = draw(st.integers(2, 5))
+    target_kwargs = dict(layers=layers, tie=draw(st.booleans()))
+    taps = sorted(draw(st.sets(st.integers(-1, layers - 2), min_size=1, max_size=3)))
+    rank = draw(st.sampled_from([0, 4, 8]))
+    drafter_kwargs = dict(
+        block_size=draw(st.integers(1, 6)),
+        taps=taps,
+        markov_rank=rank,
+        markov_head_type=draw(st.sampled_from(["vanilla", "gated", "rnn"])),
+        confidence=draw(st.booleans()),
+        layers=draw(st.integers(1, 2)),
+    )
+    seed = draw(st.integers(0, 10_000))
+    prompt = draw(st.lists(st.integers(0, 95), min_size=1, max_size=20))
+    return target_kwargs, drafter_kwargs, seed, prompt, draw(st.integers(1, 40))
+
+
+@given(random_qwen3_pairs())
+def test_random_qwen3_models_are_lossless(case):
+    target_kwargs, drafter_kwargs, seed, prompt, max_tokens = case
+    model = tiny_qwen3(seed=seed, **target_kwargs)
+    drafter = tiny_qwen3_dspark(
+        qwen3_args(**target_kwargs), seed=seed + 1, **drafter_kwargs
+    )
+    ours, _ = speculative(model, drafter, prompt, max_tokens)
+    assert ours == plain_greedy(model, prompt, max_tokens)
 
 
 @st.composite
@@ -157,6 +201,13 @@ class ScriptedDrafter:
         return Proposal(tokens=mx.array(drafts, mx.uint32))
 
 
+TINY_TARGETS = {
+    "gemma4": lambda seed: tiny_gemma4(seed=seed, window=3),
+    "qwen3": lambda seed: tiny_qwen3(seed=seed),
+}
+
+
+@pytest.mark.parametrize("family", TINY_TARGETS)
 @given(
     seed=st.integers(0, 1000),
     prompt=st.lists(st.integers(0, 95), min_size=1, max_size=10),
@@ -165,9 +216,9 @@ class ScriptedDrafter:
     max_tokens=st.integers(1, 40),
 )
 def test_any_draft_is_accepted_exactly_as_far_as_it_is_right(
-    seed, prompt, block_size, corruptions, max_tokens
+    family, seed, prompt, block_size, corruptions, max_tokens
 ):
-    model = tiny_gemma4(seed=seed, window=3)
+    model = TINY_TARGETS[family](seed)
     reference = plain_greedy(model, prompt, max_tokens + block_size + 1)
     drafter = ScriptedDrafter(reference, corruptions, block_size)
     drafter.prompt_length = len(prompt)
@@ -195,17 +246,18 @@ def test_stop_token_inside_accepted_drafts_ends_generation_there(seed, prompt, s
         assert last.next_token is None and last.acceptance_length == last.accepted
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @given(
     prompt=st.lists(st.integers(5, 511), min_size=1, max_size=12),
     follow_up=st.lists(st.integers(5, 511), min_size=1, max_size=12),
     first=st.integers(1, 30),
     second=st.integers(1, 30),
 )
-def test_prompt_cache_continues_exactly(tiny_pair, prompt, follow_up, first, second):
+def test_prompt_cache_continues_exactly(family, prompt, follow_up, first, second):
     """A second turn on the prompt cache (holding the prompt and every
     yielded token but the last, target and drafter alike) equals a fresh run
     over the whole conversation."""
-    model, _, drafter = tiny_pair
+    model, drafter = trained(family)
     cache = mlx_dspark.make_prompt_cache(model, drafter)
     turn1, _ = speculative(model, drafter, prompt, first, prompt_cache=cache)
     assert cache[0].offset == cache[-1].offset == len(prompt) + len(turn1) - 1

@@ -1,5 +1,7 @@
-"""Token-exact parity with DeepSpec's own decode loop (float32 oracle traces)."""
+"""Token-exact parity with DeepSpec's own decode loop (float32 oracle traces),
+for the Gemma-4 and the Qwen3 families."""
 
+import functools
 import json
 
 import mlx.core as mx
@@ -9,32 +11,45 @@ from mlx_lm import load
 
 import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
-from mlx_dspark.targets.gemma4 import Gemma4Target
+from mlx_dspark.plugins import find_target_adapter
 
-from conftest import DEEPSPEC_TINY
+from conftest import FIXTURES
 
-TRACES = json.loads((DEEPSPEC_TINY / "oracle_traces_float32_T0.json").read_text())
-RUNS = [(r["variant"], r["confidence_threshold"]) for r in TRACES["runs"]]
-MAX_NEW = TRACES["meta"]["max_new_tokens"]
+FAMILIES = {
+    "gemma4": FIXTURES / "deepspec-tiny",
+    "qwen3": FIXTURES / "deepspec-qwen3-tiny",
+}
+TRACES = {
+    family: json.loads((path / "oracle_traces_float32_T0.json").read_text())
+    for family, path in FAMILIES.items()
+}
+CASES = [
+    (family, r["variant"], r["confidence_threshold"])
+    for family, traces in TRACES.items()
+    for r in traces["runs"]
+]
+MAX_NEW = 40
+assert all(t["meta"]["max_new_tokens"] == MAX_NEW for t in TRACES.values())
 
 
-def run_of(variant, threshold):
+def run_of(family, variant, threshold):
     return next(
         r
-        for r in TRACES["runs"]
+        for r in TRACES[family]["runs"]
         if (r["variant"], r["confidence_threshold"]) == (variant, threshold)
     )
 
 
-@pytest.fixture(scope="module")
-def target():
-    model, _ = load(str(DEEPSPEC_TINY / "target_tiny_gemma4"))
+@functools.lru_cache(maxsize=None)
+def target(family):
+    model, _ = load(str(FAMILIES[family] / f"target_tiny_{family}"))
     return model
 
 
-def drafter_for(variant, threshold=0.0):
+def drafter_for(family, variant, threshold=0.0):
     return mlx_dspark.load_drafter(
-        DEEPSPEC_TINY / f"{variant}_tiny_gemma4_block4", confidence_threshold=threshold
+        FAMILIES[family] / f"{variant}_tiny_{family}_block4",
+        confidence_threshold=threshold,
     )
 
 
@@ -49,15 +64,17 @@ def decode(model, drafter, prompt_ids, max_tokens):
     return tokens, stats
 
 
-@pytest.mark.parametrize("variant,threshold", RUNS)
-def test_every_round_matches_deepspec(target, variant, threshold):
+@pytest.mark.parametrize("family,variant,threshold", CASES)
+def test_every_round_matches_deepspec(family, variant, threshold):
     """Each round's drafted block, verified length, accepted drafts, target
     token and confidence logits equal the reference's, for every sample."""
-    drafter = drafter_for(variant, threshold)
-    for sample in run_of(variant, threshold)["samples"]:
+    drafter = drafter_for(family, variant, threshold)
+    for sample in run_of(family, variant, threshold)["samples"]:
         # Decode past max_new_tokens: the reference runs its last rounds to
         # completion, and we want to compare every one of them.
-        tokens, stats = decode(target, drafter, sample["prompt_ids"], MAX_NEW + 8)
+        tokens, stats = decode(
+            target(family), drafter, sample["prompt_ids"], MAX_NEW + 8
+        )
         assert tokens[0] == sample["first_token_from_prefill"]
         assert len(stats.history) >= len(sample["rounds"])
         for ours, ref in zip(stats.history, sample["rounds"]):
@@ -75,11 +92,11 @@ def test_every_round_matches_deepspec(target, variant, threshold):
                 assert ours.confidence is None
 
 
-@pytest.mark.parametrize("variant,threshold", RUNS)
-def test_outputs_and_acceptance_lengths_match_deepspec(target, variant, threshold):
-    drafter = drafter_for(variant, threshold)
-    for sample in run_of(variant, threshold)["samples"]:
-        tokens, stats = decode(target, drafter, sample["prompt_ids"], MAX_NEW)
+@pytest.mark.parametrize("family,variant,threshold", CASES)
+def test_outputs_and_acceptance_lengths_match_deepspec(family, variant, threshold):
+    drafter = drafter_for(family, variant, threshold)
+    for sample in run_of(family, variant, threshold)["samples"]:
+        tokens, stats = decode(target(family), drafter, sample["prompt_ids"], MAX_NEW)
         assert tokens == sample["generated_ids"]
         assert tokens == sample["target_greedy_reference"]
         # The reference runs one more round when the budget is exactly used
@@ -92,34 +109,34 @@ def test_outputs_and_acceptance_lengths_match_deepspec(target, variant, threshol
         )
 
 
-def round0(variant, threshold):
-    return mx.load(
-        str(
-            DEEPSPEC_TINY
-            / f"round0_tensors_{variant}_thr{threshold}_float32_T0.safetensors"
-        )
-    )
+def round0(family, variant, threshold):
+    name = f"round0_tensors_{variant}_thr{threshold}_float32_T0.safetensors"
+    return mx.load(str(FAMILIES[family] / name))
 
 
-def test_target_taps_match_reference_prefill_features(target):
-    """The tapped forward returns the raw outputs of layers 1, 2, 4 (after
-    layer_scalar, before the final norm) exactly as DeepSpec captures them."""
-    sample = run_of("dspark", 0.0)["samples"][0]
-    tapped = Gemma4Target(target)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_target_taps_match_reference_prefill_features(family):
+    """The tapped forward returns the raw outputs of layers 1, 2, 4 (for
+    Gemma-4 after layer_scalar; before the final norm) exactly as DeepSpec
+    captures them."""
+    sample = run_of(family, "dspark", 0.0)["samples"][0]
+    model = target(family)
+    tapped = find_target_adapter(model).adapt(model)
     out = tapped(mx.array(sample["prompt_ids"])[None], tapped.make_cache(5), (1, 2, 4))
     features = mx.concatenate(out.hidden, axis=-1)[0]
-    expected = round0("dspark", 0.0)["prefill_target_features"]
+    expected = round0(family, "dspark", 0.0)["prefill_target_features"]
     np.testing.assert_allclose(np.array(features), np.array(expected), atol=1e-5)
     assert mx.argmax(out.logits[0, -1]).item() == sample["first_token_from_prefill"]
 
 
-@pytest.mark.parametrize("variant,threshold", RUNS)
-def test_round0_tensors(variant, threshold):
+@pytest.mark.parametrize("family,variant,threshold", CASES)
+def test_round0_tensors(family, variant, threshold):
     """Unit parity of the first round's context projection, block hidden,
-    soft-capped logits, Markov-corrected logits and confidence logits."""
-    ref = round0(variant, threshold)
-    sample = run_of(variant, threshold)["samples"][0]
-    drafter = drafter_for(variant, threshold)
+    base logits (soft-capped for Gemma-4), Markov-corrected logits and
+    confidence logits."""
+    ref = round0(family, variant, threshold)
+    sample = run_of(family, variant, threshold)["samples"][0]
+    drafter = drafter_for(family, variant, threshold)
     model = drafter.model
     features = ref["round0_new_context_raw_target_features"][None]
 
@@ -163,15 +180,14 @@ def test_round0_tensors(variant, threshold):
     )
 
 
-@pytest.mark.parametrize("variant,threshold", RUNS)
-def test_drafter_replay_without_target(variant, threshold):
+@pytest.mark.parametrize("family,variant,threshold", CASES)
+def test_drafter_replay_without_target(family, variant, threshold):
     """Fed the reference's context features round by round, the drafter alone
     reproduces every block, confidence and cache length."""
-    replay = mx.load(
-        str(DEEPSPEC_TINY / "replay_context_features_float32_T0.safetensors")
-    )
-    drafter = drafter_for(variant, threshold)
-    for s, sample in enumerate(run_of(variant, threshold)["samples"]):
+    name = "replay_context_features_float32_T0.safetensors"
+    replay = mx.load(str(FAMILIES[family] / name))
+    drafter = drafter_for(family, variant, threshold)
+    for s, sample in enumerate(run_of(family, variant, threshold)["samples"]):
         cache = drafter.make_cache()
         for r, rnd in enumerate(sample["rounds"]):
             assert cache[0].offset == rnd["draft_cache_len_before"]

@@ -10,6 +10,8 @@ from mlx_lm.generate import generate_step
 import mlx_dspark
 from mlx_dspark import plugins
 
+from conftest import DEEPSPEC_TINY, FIXTURES
+
 TOY_PLUGIN = '''
 from pathlib import Path
 
@@ -117,7 +119,9 @@ def test_builtin_kinds_come_from_entry_points_only():
     bare = plugins.make_plugin_manager(load_entry_points=False)
     assert plugins.drafter_kinds(bare) == [] and plugins.target_adapters(bare) == []
     installed = plugins.make_plugin_manager()
-    assert {"deepspec", "gemma4"} <= {name for name, _ in installed.list_name_plugin()}
+    assert {"gemma4", "deepspec-gemma4", "qwen3", "deepspec-qwen3"} <= {
+        name for name, _ in installed.list_name_plugin()
+    }
     assert "deepspec-gemma4" in [k.name for k in plugins.drafter_kinds(installed)]
     assert "gemma4" in [a.name for a in plugins.target_adapters(installed)]
 
@@ -127,4 +131,35 @@ def test_no_installed_kind_explains_itself(tmp_path):
     with pytest.raises(ValueError, match="no drafter kinds are installed"):
         plugins.find_drafter_kind(
             {"architectures": ["Gemma4DSparkModel"]}, tmp_path, bare
+        )
+
+
+def test_qwen3_support_is_only_its_plugins(monkeypatch):
+    """With only the Gemma-4 plugins registered, the engine refuses Qwen3
+    drafters and targets with a clear message, and Gemma-4 still works."""
+    from mlx_lm import load
+
+    from mlx_dspark.drafters import gemma4_dspark
+    from mlx_dspark.targets import gemma4
+
+    gemma_only = plugins.make_plugin_manager(load_entry_points=False)
+    gemma_only.register(gemma4, name="gemma4")
+    gemma_only.register(gemma4_dspark, name="deepspec-gemma4")
+    monkeypatch.setattr(plugins, "_manager", gemma_only)
+
+    qwen3_dir = FIXTURES / "deepspec-qwen3-tiny"
+    with pytest.raises(
+        ValueError,
+        match=r"not a drafter checkpoint .*Qwen3DSparkModel.*"
+        r"installed kinds: deepspec-gemma4 \(Gemma4DSparkModel\)",
+    ):
+        mlx_dspark.load_drafter(qwen3_dir / "dspark_tiny_qwen3_block4")
+
+    qwen3_target, _ = load(str(qwen3_dir / "target_tiny_qwen3"))
+    drafter = mlx_dspark.load_drafter(DEEPSPEC_TINY / "dspark_tiny_gemma4_block4")
+    with pytest.raises(ValueError, match="installed target adapters: gemma4"):
+        next(
+            mlx_dspark.speculative_generate_step(
+                mx.array([5, 6]), qwen3_target, drafter
+            )
         )

@@ -1,4 +1,4 @@
-"""The tapped Gemma-4 target."""
+"""The tapped targets (Gemma-4, Qwen3)."""
 
 import functools
 
@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_dspark.plugins import find_target_adapter
 from mlx_dspark.targets.gemma4 import Gemma4Target
 
-from tiny import tiny_gemma4
+from tiny import tiny_gemma4, tiny_qwen3
 
 VARIANTS = {
     "dense-k_eq_v": dict(),
@@ -21,11 +21,14 @@ VARIANTS = {
     "gemma4-wrapper": dict(wrapper=True),
     "per-layer-inputs+kv-sharing": dict(per_layer_input=8, kv_shared=2),
 }
+BUILDERS = {name: functools.partial(tiny_gemma4, **kw) for name, kw in VARIANTS.items()}
+BUILDERS["qwen3"] = tiny_qwen3
+BUILDERS["qwen3-tied"] = functools.partial(tiny_qwen3, tie=True)
 
 
 @functools.lru_cache(maxsize=None)
 def model_for(variant, quantize=False):
-    model = tiny_gemma4(seed=3, **VARIANTS[variant])
+    model = BUILDERS[variant](seed=3)
     if quantize:
         nn.quantize(
             model,
@@ -39,17 +42,18 @@ def model_for(variant, quantize=False):
 
 
 @pytest.mark.parametrize("quantize", [False, True], ids=["float", "4-bit"])
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", BUILDERS)
 @given(
     prompt=st.lists(st.integers(0, 95), min_size=1, max_size=12),
     steps=st.lists(st.integers(1, 5), max_size=4),
     taps=st.sets(st.integers(-1, 3), max_size=4),
 )
 def test_tap_leaves_logits_bit_identical(variant, quantize, prompt, steps, taps):
-    """Over a prompt and several verify-sized steps (crossing window 4), the
-    tapped forward's logits equal the model's own forward bit for bit."""
+    """Over a prompt and several verify-sized steps (for Gemma-4 crossing
+    window 4), the tapped forward's logits equal the model's own forward bit
+    for bit."""
     model = model_for(variant, quantize)
-    target = Gemma4Target(model)
+    target = find_target_adapter(model).adapt(model)
     tapped_cache, plain_cache = target.make_cache(5), target.make_cache(5)
     rng = np.random.default_rng(len(prompt))
     for tokens in [prompt] + [rng.integers(0, 96, k).tolist() for k in steps]:
@@ -118,3 +122,14 @@ def test_unsupported_target_is_refused():
     )
     with pytest.raises(ValueError, match="not supported for hidden-state drafting"):
         find_target_adapter(llama.Model(args))
+
+
+def test_qwen3_taps_are_raw_layer_outputs():
+    model = tiny_qwen3(seed=5)
+    target = find_target_adapter(model).adapt(model)
+    x = mx.array([[3, 9, 27, 81]])
+    out = target(x, target.make_cache(2), (-1, 3))
+    body = model.model
+    assert mx.array_equal(out.hidden[0], body.embed_tokens(x))
+    logits = model.lm_head(body.norm(out.hidden[1]))
+    np.testing.assert_allclose(np.array(logits), np.array(out.logits), atol=1e-5)

@@ -5,9 +5,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import gemma4, gemma4_text
+from mlx_lm.models import gemma4, gemma4_text, qwen3
 
-from mlx_dspark.drafters import gemma4_dspark
+from mlx_dspark.drafters import gemma4_dspark, qwen3_dspark
 from mlx_dspark.drafters.deepspec import DeepSpecDrafter
 
 ROPE = {
@@ -123,3 +123,57 @@ def tiny_dspark(
     )
     model = randomize(gemma4_dspark.Model(args), seed)
     return DeepSpecDrafter(model, "gemma4", Path("<random>"), confidence_threshold)
+
+
+def qwen3_args(layers=4, vocab=96, hidden=32, tie=False):
+    return dict(
+        model_type="qwen3",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,  # heads x head_dim != hidden, as in real Qwen3
+        rms_norm_eps=1e-6,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        tie_word_embeddings=tie,
+        rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
+    )
+
+
+def tiny_qwen3(seed=0, **kwargs):
+    return randomize(qwen3.Model(qwen3.ModelArgs.from_dict(qwen3_args(**kwargs))), seed)
+
+
+def tiny_qwen3_dspark(
+    target_args: dict,
+    seed=1,
+    block_size=4,
+    taps=(0, 1),
+    markov_rank=8,
+    markov_head_type="vanilla",
+    confidence=True,
+    confidence_threshold=0.0,
+    layers=1,
+):
+    args = qwen3_dspark.ModelArgs(
+        hidden_size=target_args["hidden_size"],
+        intermediate_size=2 * target_args["hidden_size"],
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=target_args["vocab_size"],
+        rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
+        block_size=block_size,
+        num_target_layers=target_args["num_hidden_layers"],
+        target_layer_ids=list(taps),
+        mask_token_id=4,
+        markov_rank=markov_rank,
+        markov_head_type=markov_head_type if markov_rank else None,
+        enable_confidence_head=confidence,
+        confidence_head_with_markov=confidence and markov_rank > 0,
+    )
+    model = randomize(qwen3_dspark.Model(args), seed)
+    return DeepSpecDrafter(model, "qwen3", Path("<random>"), confidence_threshold)

@@ -16,19 +16,15 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ..checkpoints import load_network, require_keys
-from ..plugins import DrafterKind, hookimpl
-from . import gemma4_dspark
 from .base import Proposal
 
-REQUIRED_KEYS = (
+COMMON_KEYS = (
     "hidden_size",
     "intermediate_size",
     "num_hidden_layers",
     "num_attention_heads",
     "num_key_value_heads",
-    "global_head_dim",
     "vocab_size",
-    "rope_parameters",
     "block_size",
     "num_target_layers",
     "target_layer_ids",
@@ -153,9 +149,11 @@ class DeepSpecDrafter:
         )
 
 
-def validate_config(config: dict, path: Path) -> None:
-    require_keys(config, REQUIRED_KEYS, path)
-    problems = []
+def validate_config(config: dict, path: Path, required_keys, problems=()) -> None:
+    """Check the checks every DeepSpec drafter config must pass, plus the
+    family's own ``problems``; raise one ValueError listing them all."""
+    require_keys(config, COMMON_KEYS + tuple(required_keys), path)
+    problems = list(problems)
     layers = config["num_target_layers"]
     ids = list(config["target_layer_ids"])
     if not ids or ids != sorted(set(ids)) or ids[0] < -1 or ids[-1] >= layers - 1:
@@ -165,25 +163,13 @@ def validate_config(config: dict, path: Path) -> None:
         )
     if config["block_size"] < 1:
         problems.append(f"block_size {config['block_size']} must be >= 1")
-    if config.get("attention_k_eq_v") and not config.get("num_global_key_value_heads"):
-        problems.append("attention_k_eq_v needs num_global_key_value_heads")
-    rank = config.get("markov_rank", 0) or 0
+    rank = config.get("markov_rank") or 0
     if (
         config.get("enable_confidence_head")
         and config.get("confidence_head_with_markov")
         and rank <= 0
     ):
         problems.append("confidence_head_with_markov needs markov_rank > 0")
-    if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-        problems.append(
-            f"hidden_activation {config['hidden_activation']!r} is not supported"
-        )
-    if config.get("enable_moe_block") or config.get("hidden_size_per_layer_input"):
-        problems.append(
-            "MoE blocks and per-layer inputs are not part of DSpark drafters"
-        )
-    if "full_attention" not in config["rope_parameters"]:
-        problems.append("rope_parameters has no 'full_attention' entry")
     if problems:
         raise ValueError(
             f"{path}/config.json is not a valid DeepSpec drafter config: "
@@ -192,24 +178,6 @@ def validate_config(config: dict, path: Path) -> None:
         )
 
 
-def load_gemma4(
-    path: Path, config: dict, confidence_threshold: float = 0.0, dtype=None
-):
-    validate_config(config, path)
-    model = load_network(path, gemma4_dspark.Model, gemma4_dspark.ModelArgs, dtype)
-    return DeepSpecDrafter(model, "gemma4", path, confidence_threshold)
-
-
-GEMMA4 = DrafterKind(
-    name="deepspec-gemma4",
-    architectures=("Gemma4DSparkModel",),
-    detect=lambda config: (
-        (config.get("architectures") or [None])[0] == "Gemma4DSparkModel"
-    ),
-    load=load_gemma4,
-)
-
-
-@hookimpl
-def mlx_dspark_drafter_kinds():
-    return [GEMMA4]
+def load_deepspec(path: Path, model_class, args_class, family, confidence_threshold, dtype):
+    model = load_network(path, model_class, args_class, dtype)
+    return DeepSpecDrafter(model, family, path, confidence_threshold)

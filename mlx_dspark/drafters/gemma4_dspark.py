@@ -9,6 +9,7 @@ the whole context and to itself bidirectionally.
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import mlx.core as mx
@@ -17,7 +18,9 @@ from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.gemma4_text import geglu, logit_softcap
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .heads import ConfidenceHead, make_markov_head
+from ..plugins import DrafterKind, hookimpl
+from .common import ContextBlockAttention, DrafterModel
+from .deepspec import load_deepspec, validate_config
 
 
 @dataclass
@@ -47,7 +50,7 @@ class ModelArgs(BaseModelArgs):
     confidence_head_with_markov: bool = False
 
 
-class Attention(nn.Module):
+class Attention(ContextBlockAttention):
     def __init__(self, args: ModelArgs):
         super().__init__()
         dim = args.hidden_size
@@ -58,6 +61,7 @@ class Attention(nn.Module):
             args.num_global_key_value_heads if self.k_eq_v else args.num_key_value_heads
         )
         self.eps = args.rms_norm_eps
+        self.scale = 1.0  # q_norm and k_norm stand in for 1/sqrt(head_dim)
         bias = args.attention_bias
 
         self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
@@ -77,6 +81,11 @@ class Attention(nn.Module):
             max_position_embeddings=args.max_position_embeddings,
         )
 
+    def queries(self, x: mx.array, offset: int) -> mx.array:
+        B, L, _ = x.shape
+        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+        return self.rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
+
     def keys_values(self, x: mx.array, offset: int):
         B, L, _ = x.shape
         keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
@@ -86,23 +95,6 @@ class Attention(nn.Module):
         keys = self.rope(self.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
         values = mx.fast.rms_norm(values, None, self.eps).transpose(0, 2, 1, 3)
         return keys, values
-
-    def add_context(self, context: mx.array, cache) -> None:
-        cache.update_and_fetch(*self.keys_values(context, cache.offset))
-
-    def __call__(self, x: mx.array, cache) -> mx.array:
-        B, L, _ = x.shape
-        offset = cache.offset
-        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
-        queries = self.rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
-        # The block's own K/V are attended to, then dropped from the cache:
-        # only committed context stays.
-        keys, values = cache.update_and_fetch(*self.keys_values(x, offset))
-        cache.trim(L)
-        output = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=1.0, mask=None
-        )
-        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class MLP(nn.Module):
@@ -136,42 +128,14 @@ class DecoderLayer(nn.Module):
         return h * self.layer_scalar
 
 
-class Model(nn.Module):
+class Model(DrafterModel):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        dim = args.hidden_size
-        self.embed_tokens = nn.Embedding(args.vocab_size, dim)
-        self.fc = nn.Linear(len(args.target_layer_ids) * dim, dim, bias=False)
-        self.hidden_norm = nn.RMSNorm(dim, eps=args.rms_norm_eps)
-        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(dim, eps=args.rms_norm_eps)
-        self.lm_head = nn.Linear(dim, args.vocab_size, bias=False)
-        self.markov_head = make_markov_head(
-            args.markov_head_type, args.vocab_size, args.markov_rank, dim
-        )
-        self.confidence_head = None
-        if args.enable_confidence_head:
-            with_markov = args.confidence_head_with_markov
-            self.confidence_head = ConfidenceHead(
-                dim + (args.markov_rank if with_markov else 0)
-            )
+        super().__init__(args, DecoderLayer)
 
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.embed_tokens(tokens)
         # transformers casts sqrt(d) to the weight dtype first (62.0 in bf16).
         return h * mx.array(self.args.hidden_size**0.5, dtype=h.dtype)
-
-    def add_context(self, features: mx.array, cache: list) -> None:
-        context = self.hidden_norm(self.fc(features))
-        for layer, c in zip(self.layers, cache):
-            layer.self_attn.add_context(context, c)
-
-    def __call__(self, tokens: mx.array, cache: list) -> mx.array:
-        h = self.embed(tokens)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, c)
-        return self.norm(h)
 
     def compute_logits(self, hidden: mx.array) -> mx.array:
         logits = self.lm_head(hidden)
@@ -179,10 +143,38 @@ class Model(nn.Module):
             logits = logit_softcap(self.args.final_logit_softcapping, logits)
         return logits
 
-    def sanitize(self, weights: dict) -> dict:
-        # Non-persistent buffers some exporters still write.
-        return {
-            k: v
-            for k, v in weights.items()
-            if "rotary_emb" not in k and not k.endswith("embed_scale")
-        }
+
+REQUIRED_KEYS = ("global_head_dim", "rope_parameters")
+
+
+def config_problems(config: dict) -> list:
+    problems = []
+    if config.get("attention_k_eq_v") and not config.get("num_global_key_value_heads"):
+        problems.append("attention_k_eq_v needs num_global_key_value_heads")
+    activation = config.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation != "gelu_pytorch_tanh":
+        problems.append(f"hidden_activation {activation!r} is not supported")
+    if config.get("enable_moe_block") or config.get("hidden_size_per_layer_input"):
+        problems.append("MoE blocks and per-layer inputs are not part of DSpark drafters")
+    if "full_attention" not in (config.get("rope_parameters") or {}):
+        problems.append("rope_parameters has no 'full_attention' entry")
+    return problems
+
+
+def load(path: Path, config: dict, confidence_threshold: float = 0.0, dtype=None):
+    validate_config(config, path, REQUIRED_KEYS, config_problems(config))
+    return load_deepspec(path, Model, ModelArgs, "gemma4", confidence_threshold, dtype)
+
+
+KIND = DrafterKind(
+    name="deepspec-gemma4",
+    architectures=("Gemma4DSparkModel",),
+    detect=lambda config: (config.get("architectures") or [None])[0]
+    == "Gemma4DSparkModel",
+    load=load,
+)
+
+
+@hookimpl
+def mlx_dspark_drafter_kinds():
+    return [KIND]
