@@ -1,19 +1,46 @@
-"""Hidden-state speculative drafters (DeepSeek's DSpark and DFlash) for mlx-lm."""
+"""Hidden-state speculative drafters (DeepSeek's DSpark and DFlash) for mlx-lm.
 
-from .checkpoints import load_drafter
-from .generate import SpeculativeResponse, generate, stream_generate
-from .spec.engine import make_prompt_cache, speculative_generate_step
-from .spec.stats import Round, SpeculativeStats
+The package imports lazily: ``import mlx_dspark`` costs nothing until one of
+the names below is used, because the auto-activation hook (see
+``mlx_dspark.activation``) imports it at every interpreter start.
+"""
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "load_drafter": "mlx_dspark.checkpoints",
+    "stream_generate": "mlx_dspark.generation",
+    "generate": "mlx_dspark.generation",
+    "SpeculativeResponse": "mlx_dspark.generation",
+    "make_prompt_cache": "mlx_dspark.spec.engine",
+    "speculative_generate_step": "mlx_dspark.spec.engine",
+    "SpeculativeStats": "mlx_dspark.spec.stats",
+    "Round": "mlx_dspark.spec.stats",
+}
 
 __all__ = [
     "load_drafter",
     "stream_generate",
     "generate",
+    "SpeculativeResponse",
     "make_prompt_cache",
     "speculative_generate_step",
-    "SpeculativeResponse",
     "SpeculativeStats",
     "Round",
 ]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'mlx_dspark' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from .checkpoints import load_drafter
+    from .generation import SpeculativeResponse, generate, stream_generate
+    from .spec.engine import make_prompt_cache, speculative_generate_step
+    from .spec.stats import Round, SpeculativeStats

@@ -23,6 +23,9 @@ _EMPTY = -(2**30)
 class SlidingWindowKVCache(_BaseCache):
     """KV cache for a sliding-window attention layer, with bounded rollback.
 
+    The ring grows in steps of 256 slots up to its capacity, so short contexts
+    use little memory.
+
     Args:
         window: The layer's attention window: the query at position ``p`` sees
             the keys at positions ``p - window < q <= p``.
@@ -45,9 +48,36 @@ class SlidingWindowKVCache(_BaseCache):
         self.offset = 0
         self._start = 0
 
+    step = 256
+
     @property
     def capacity(self) -> int:
         return self.window - 1 + self.max_rollback
+
+    def _slots_for(self, n: int) -> int:
+        """Ring slots needed to write ``n`` more tokens. Until the ring is
+        full-size, every position written so far is below its size."""
+        allocated = 0 if self.positions is None else self.positions.size
+        end = self.offset + n
+        if allocated == self.capacity or end <= allocated:
+            return allocated
+        return min(self.capacity, -(-end // self.step) * self.step)
+
+    def _grow(self, slots: int, like_keys: mx.array, like_values: mx.array) -> None:
+        allocated = 0 if self.positions is None else self.positions.size
+        if slots == allocated:
+            return
+        B, H, _, Dk = like_keys.shape
+        extra = slots - allocated
+        new_k = mx.zeros((B, H, extra, Dk), like_keys.dtype)
+        new_v = mx.zeros((B, H, extra, like_values.shape[3]), like_values.dtype)
+        new_p = mx.full((extra,), _EMPTY, dtype=mx.int32)
+        if self.positions is None:
+            self.keys, self.values, self.positions = new_k, new_v, new_p
+        else:
+            self.keys = mx.concatenate([self.keys, new_k], axis=2)
+            self.values = mx.concatenate([self.values, new_v], axis=2)
+            self.positions = mx.concatenate([self.positions, new_p])
 
     def _ring_write(self, ring: mx.array, new: mx.array, axis: int) -> mx.array:
         capacity = self.capacity
@@ -72,11 +102,11 @@ class SlidingWindowKVCache(_BaseCache):
         new = mx.arange(self.offset, self.offset + n, dtype=mx.int32)
         if self.offset == 0 and not self._in_place(n):
             return None
-        ring = self.positions
-        if ring is None:
-            ring = mx.full((self.capacity,), _EMPTY, dtype=mx.int32)
+        ring = mx.full((self._slots_for(n),), _EMPTY, dtype=mx.int32)
+        if self.positions is not None:
+            ring[: self.positions.size] = self.positions
         if self._in_place(n):
-            return self._ring_write(mx.array(ring), new, axis=0)
+            return self._ring_write(ring, new, axis=0)
         stale = ring >= self.offset
         return mx.concatenate([mx.where(stale, _EMPTY, ring), new])
 
@@ -96,11 +126,7 @@ class SlidingWindowKVCache(_BaseCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n = keys.shape[2]
-        if self.keys is None:
-            B, H, _, Dk = keys.shape
-            self.keys = mx.zeros((B, H, self.capacity, Dk), keys.dtype)
-            self.values = mx.zeros((B, H, self.capacity, values.shape[3]), values.dtype)
-            self.positions = mx.full((self.capacity,), _EMPTY, dtype=mx.int32)
+        self._grow(self._slots_for(n), keys, values)
         if self._in_place(n):
             fetched = None
         elif self.offset == 0:
@@ -128,6 +154,8 @@ class SlidingWindowKVCache(_BaseCache):
         return True
 
     def trim(self, n: int) -> int:
+        if n < 0:
+            raise ValueError(f"Cannot trim a negative number of tokens ({n}).")
         n = min(self.offset, n)
         if n > self.rollback_limit():
             raise ValueError(

@@ -91,6 +91,8 @@ def load_network(path: Path, model_class, args_class, dtype=None, lazy: bool = F
             "incomplete or this is not a checkpoint directory."
         ) from None
     except RuntimeError as e:
+        if "safetensors" not in str(e):
+            raise
         raise ValueError(
             f"The weights in {path} cannot be read ({e}); the file is corrupt or "
             "truncated. Re-download the checkpoint."
@@ -98,8 +100,8 @@ def load_network(path: Path, model_class, args_class, dtype=None, lazy: bool = F
     except ValueError as e:
         raise ValueError(
             f"The weights in {path} do not match its config.json: "
-            f"{' '.join(str(e).split()).rstrip('.')}. Re-download the checkpoint, or check "
-            "that config.json and the weights belong together."
+            f"{' '.join(str(e).split()).rstrip('.')}. Re-download the checkpoint, "
+            "or check that config.json and the weights belong together."
         ) from None
     return model
 

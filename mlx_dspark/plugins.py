@@ -91,7 +91,13 @@ def make_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(Hookspecs)
     if load_entry_points:
-        pm.load_setuptools_entrypoints(PROJECT)
+        try:
+            pm.load_setuptools_entrypoints(PROJECT)
+        except Exception as e:
+            raise RuntimeError(
+                f"An installed mlx_dspark plugin failed to load ({type(e).__name__}: "
+                f"{e}). Reinstall or uninstall the package that provides it."
+            ) from e
     return pm
 
 

@@ -81,7 +81,26 @@ def test_tapping_the_last_target_layer(checkpoint):
 
 def test_unknown_markov_head(checkpoint):
     edit_config(checkpoint, markov_head_type="transformer")
-    refused("Unknown markov_head_type 'transformer'", checkpoint)
+    refused(
+        "markov_head_type 'transformer' is not one of vanilla, gated, rnn", checkpoint
+    )
+
+
+def test_non_integer_block_size(checkpoint):
+    edit_config(checkpoint, block_size="7")
+    refused("block_size must be an integer, got '7'", checkpoint)
+
+
+def test_mask_token_outside_the_vocabulary(checkpoint):
+    edit_config(checkpoint, mask_token_id=512)
+    refused(r"mask_token_id 512 is outside the vocabulary \[0, 512\)", checkpoint)
+
+
+def test_rope_without_theta(checkpoint):
+    edit_config(
+        checkpoint, rope_parameters={"full_attention": {"rope_type": "proportional"}}
+    )
+    refused("no 'full_attention' entry with a rope_theta", checkpoint)
 
 
 def test_missing_weights(checkpoint):
@@ -186,9 +205,35 @@ def test_mlx_lm_prompt_cache_is_refused(tiny_pair):
         )
 
 
+def test_prompt_cache_made_for_a_smaller_block(tiny_pair):
+    """A cache that cannot roll back a whole verify is refused before any
+    token is produced."""
+    model, _, drafter = tiny_pair
+    from mlx_dspark.spec.engine import adapt_target
+
+    cache = adapt_target(model, drafter).make_cache(2) + drafter.make_cache()
+    steps = speculative_generate_step(
+        mx.array([1, 2]), model, drafter, prompt_cache=cache, num_draft_tokens=4
+    )
+    with pytest.raises(ValueError, match="can roll back 2 tokens, but verifying 4"):
+        next(steps)
+
+
+def test_prompt_ids_outside_the_vocabulary(tiny_pair):
+    model, _, drafter = tiny_pair
+    with pytest.raises(ValueError, match=r"outside the target's vocabulary \[0, 512\)"):
+        next(speculative_generate_step(mx.array([1, 600]), model, drafter))
+
+
+def test_negative_max_tokens(tiny_pair):
+    model, _, drafter = tiny_pair
+    with pytest.raises(ValueError, match="max_tokens must be positive or -1"):
+        next(speculative_generate_step(mx.array([1, 2]), model, drafter, max_tokens=-3))
+
+
 def test_empty_prompt(tiny_pair):
     model, _, drafter = tiny_pair
-    with pytest.raises(ValueError, match="The prompt is empty"):
+    with pytest.raises(ValueError, match="must be a non-empty 1-D array"):
         next(speculative_generate_step(mx.array([], mx.uint32), model, drafter))
 
 

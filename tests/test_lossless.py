@@ -58,9 +58,10 @@ def trained(family, variant="dspark", threshold=0.0):
     threshold=st.sampled_from([0.0, 0.3, 0.6, 0.9]),
     num_draft_tokens=st.integers(1, 4),
     max_tokens=st.integers(1, 64),
+    prefill_step_size=st.sampled_from([1, 3, 2048]),
 )
 def test_trained_pairs_are_lossless(
-    family, prompt, variant, threshold, num_draft_tokens, max_tokens
+    family, prompt, variant, threshold, num_draft_tokens, max_tokens, prefill_step_size
 ):
     """The trained tiny pairs over random prompts, block sizes and thresholds;
     for Gemma-4 (window 8) at lengths that cross the window several times."""
@@ -68,7 +69,12 @@ def test_trained_pairs_are_lossless(
         threshold = 0.0
     model, drafter = trained(family, variant, threshold)
     ours, stats = speculative(
-        model, drafter, prompt, max_tokens, num_draft_tokens=num_draft_tokens
+        model,
+        drafter,
+        prompt,
+        max_tokens,
+        num_draft_tokens=num_draft_tokens,
+        prefill_step_size=prefill_step_size,
     )
     assert ours == plain_greedy(model, prompt, max_tokens)
     assert all(r.proposed <= num_draft_tokens for r in stats.history)
@@ -231,19 +237,45 @@ def test_any_draft_is_accepted_exactly_as_far_as_it_is_right(
 @given(
     seed=st.integers(0, 1000),
     prompt=st.lists(st.integers(0, 95), min_size=1, max_size=10),
-    stop_at=st.integers(0, 25),
+    stop_at=st.integers(1, 25),
+    block_size=st.integers(2, 6),
 )
-def test_stop_token_inside_accepted_drafts_ends_generation_there(seed, prompt, stop_at):
+def test_stop_token_inside_accepted_drafts_ends_the_round_there(
+    seed, prompt, stop_at, block_size
+):
+    """A stop token among the accepted drafts ends generation at it, and the
+    round counts only the drafts up to it (no target token), as in DeepSpec."""
     model = tiny_gemma4(seed=seed, window=3)
     reference = plain_greedy(model, prompt, 40)
     stop = reference[stop_at]
-    drafter = ScriptedDrafter(reference, [99], 4)
+    expected = reference[: reference.index(stop) + 1]
+    drafter = ScriptedDrafter(reference, [99], block_size)
     drafter.prompt_length = len(prompt)
     ours, stats = speculative(model, drafter, prompt, 40, stop_tokens=[stop])
-    assert ours == reference[: reference.index(stop) + 1]
+    assert ours == expected
     last = stats.history[-1] if stats.history else None
-    if last is not None and stop in last.drafts[: last.accepted]:
-        assert last.next_token is None and last.acceptance_length == last.accepted
+    if last is not None and last.next_token is None:
+        assert expected[-1] in last.drafts[: last.accepted]
+        assert last.acceptance_length == last.accepted == last.proposed
+    # Every token came from a draft or a round's target token.
+    assert 1 + sum(r.acceptance_length for r in stats.history) >= len(ours)
+
+
+def test_stop_token_round_statistics(tiny_pair):
+    """A stop token at the second draft: the round verified and accepted
+    exactly two drafts and has no target token."""
+    model = tiny_pair[0]
+    prompt = [65, 211, 266, 241, 234]
+    reference = plain_greedy(model, prompt, 12)
+    # The first round drafts reference[1:5]; make reference[2] the stop token.
+    assert len(set(reference[:6])) == 6, "the fixture's continuation repeats"
+    drafter = ScriptedDrafter(reference, [99], 4)
+    drafter.prompt_length = len(prompt)
+    ours, stats = speculative(model, drafter, prompt, 12, stop_tokens=[reference[2]])
+    assert ours == reference[:3]
+    (only,) = stats.history
+    assert (only.proposed, only.accepted, only.next_token) == (2, 2, None)
+    assert stats.acceptance_lengths == [2]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -255,14 +287,13 @@ def test_stop_token_inside_accepted_drafts_ends_generation_there(seed, prompt, s
 )
 def test_prompt_cache_continues_exactly(family, prompt, follow_up, first, second):
     """A second turn on the prompt cache (holding the prompt and every
-    yielded token but the last, target and drafter alike) equals a fresh run
-    over the whole conversation."""
+    yielded token, target and drafter alike) equals a fresh run over the
+    whole conversation."""
     model, drafter = trained(family)
     cache = mlx_dspark.make_prompt_cache(model, drafter)
     turn1, _ = speculative(model, drafter, prompt, first, prompt_cache=cache)
-    assert cache[0].offset == cache[-1].offset == len(prompt) + len(turn1) - 1
-    continuation = [turn1[-1]] + follow_up
-    turn2, _ = speculative(model, drafter, continuation, second, prompt_cache=cache)
+    assert cache[0].offset == cache[-1].offset == len(prompt) + len(turn1)
+    turn2, _ = speculative(model, drafter, follow_up, second, prompt_cache=cache)
     assert turn2 == plain_greedy(model, prompt + turn1 + follow_up, second)
 
 
@@ -277,3 +308,109 @@ def test_stats_follow_deepspec_definitions(tiny_pair):
     assert all(
         a >= b for a, b in zip(rates, rates[1:]) if a is not None and b is not None
     )
+
+
+@given(
+    prompt=st.lists(st.integers(5, 511), min_size=1, max_size=12),
+    follow_up=st.lists(st.integers(5, 511), min_size=1, max_size=8),
+    stop_after=st.integers(1, 25),
+    how=st.sampled_from(["eos", "max_tokens", "close"]),
+)
+def test_prompt_cache_after_stopping_early(
+    tiny_pair, prompt, follow_up, stop_after, how
+):
+    """However generation ends (EOS, max_tokens, or the consumer closing the
+    stream), the prompt cache holds exactly the prompt and the tokens the
+    consumer received, so the next turn equals a fresh run."""
+    import copy
+
+    model, tokenizer, drafter = tiny_pair
+    reference = plain_greedy(model, prompt, stop_after)
+    tokenizer = copy.deepcopy(tokenizer)
+    if how == "eos":
+        tokenizer.eos_token_ids = {reference[-1]}
+    cache = mlx_dspark.make_prompt_cache(model, drafter)
+    stream = mlx_dspark.stream_generate(
+        model,
+        tokenizer,
+        prompt,
+        draft=drafter,
+        max_tokens=stop_after if how == "max_tokens" else 100,
+        prompt_cache=cache,
+    )
+    received = []
+    for response in stream:
+        received.append(response.token)
+        if how == "close" and len(received) == stop_after:
+            stream.close()
+            break
+    assert received == reference[: len(received)]
+    assert cache[0].offset == cache[-1].offset == len(prompt) + len(received)
+    turn2, _ = speculative(model, drafter, follow_up, 12, prompt_cache=cache)
+    assert turn2 == plain_greedy(model, prompt + received + follow_up, 12)
+
+
+def test_interrupted_round_leaves_a_consistent_cache(tiny_pair):
+    """An exception between the verify forward and the drafter's commit
+    (say Ctrl-C) still leaves target and drafter caches in step."""
+    model, _, drafter = tiny_pair
+    prompt = [65, 211, 266, 241]
+
+    class Interrupting:
+        def __init__(self, inner, after):
+            self.inner, self.after = inner, after
+            self.commits = 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def commit(self, cache, hidden):
+            self.commits += 1
+            if self.commits == self.after:
+                raise KeyboardInterrupt
+            self.inner.commit(cache, hidden)
+
+    flaky = Interrupting(drafter, after=4)
+    cache = mlx_dspark.make_prompt_cache(model, drafter)
+    received = []
+    try:
+        for token, _, _ in speculative_generate_step(
+            mx.array(prompt), model, flaky, max_tokens=50, prompt_cache=cache
+        ):
+            received.append(token)
+    except KeyboardInterrupt:
+        pass
+    assert len(received) > 1
+    assert cache[0].offset == cache[-1].offset == len(prompt) + len(received)
+    turn2, _ = speculative(model, drafter, [7], 10, prompt_cache=cache)
+    assert turn2 == plain_greedy(model, prompt + received + [7], 10)
+
+
+def test_max_tokens_zero_yields_nothing(tiny_pair):
+    model, _, drafter = tiny_pair
+    assert speculative(model, drafter, [1, 2, 3], 0)[0] == []
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "quantized"])
+def test_lower_precision_drafters_stay_lossless(dtype):
+    """Drafter precision changes acceptance, never the output."""
+    import mlx.nn as nn
+
+    model, _ = load(str(FIXTURES / "deepspec-tiny" / "target_tiny_gemma4"))
+    path = FIXTURES / "deepspec-tiny" / "dspark_tiny_gemma4_block4"
+    if dtype == "quantized":
+        drafter = mlx_dspark.load_drafter(path)
+        nn.quantize(
+            drafter.model,
+            group_size=32,
+            bits=4,
+            class_predicate=lambda _, m: (
+                hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0
+            ),
+        )
+    else:
+        drafter = mlx_dspark.load_drafter(path, dtype=dtype)
+    for prompt in ([65, 211, 266, 241, 234], [9, 8, 7]):
+        ours, stats = speculative(model, drafter, prompt, 40)
+        assert ours == plain_greedy(model, prompt, 40)
+        assert stats.accepted > 0

@@ -206,3 +206,24 @@ def test_drafter_replay_without_target(family, variant, threshold):
                 np.testing.assert_allclose(
                     np.array(proposal.confidence), rnd["confidence_logits"], atol=1e-4
                 )
+
+
+@pytest.mark.parametrize("family,variant,threshold", CASES)
+def test_acceptance_by_position_is_deepspecs_accept_rate(family, variant, threshold):
+    """``acceptance_by_position[k]`` is DeepSpec's ``accept_rate@k``: rounds
+    with more than k accepted drafts over rounds that verified more than k,
+    computed here from the reference's own per-round lengths."""
+    drafter = drafter_for(family, variant, threshold)
+    stats = SpeculativeStats(drafter.name, drafter.block_size)
+    proposed, accepted = [], []
+    for sample in run_of(family, variant, threshold)["samples"]:
+        _, one = decode(target(family), drafter, sample["prompt_ids"], MAX_NEW + 8)
+        rounds = len(sample["rounds"])
+        stats.history += one.history[:rounds]
+        proposed += sample["proposal_lengths"]
+        accepted += sample["accepted_draft_lengths"]
+    for k, rate in enumerate(stats.acceptance_by_position):
+        verified = [a for p, a in zip(proposed, accepted) if p > k]
+        expected = sum(a > k for a in verified) / len(verified) if verified else None
+        assert rate == pytest.approx(expected)
+    assert stats.tau == pytest.approx(sum(a + 1 for a in accepted) / len(accepted))

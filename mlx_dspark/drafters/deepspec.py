@@ -17,6 +17,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..checkpoints import load_network, require_keys
 from .base import Proposal
+from .heads import MARKOV_HEADS
 
 COMMON_KEYS = (
     "hidden_size",
@@ -63,7 +64,8 @@ class DeepSpecDrafter:
         self.family = family
         self.path = path
         args = model.args
-        self.name = "dspark" if model.markov_head is not None else "dflash"
+        heads = model.markov_head is not None or model.confidence_head is not None
+        self.name = "dspark" if heads else "dflash"
         self.block_size = args.block_size
         self.taps = tuple(args.target_layer_ids)
         self.confidence_threshold = confidence_threshold
@@ -149,10 +151,26 @@ class DeepSpecDrafter:
         )
 
 
+def _invalid(path: Path, problems) -> ValueError:
+    return ValueError(
+        f"{path}/config.json is not a valid DeepSpec drafter config: "
+        + "; ".join(problems)
+        + "."
+    )
+
+
 def validate_config(config: dict, path: Path, required_keys, problems=()) -> None:
-    """Check the checks every DeepSpec drafter config must pass, plus the
+    """Check what every DeepSpec drafter config must satisfy, plus the
     family's own ``problems``; raise one ValueError listing them all."""
     require_keys(config, COMMON_KEYS + tuple(required_keys), path)
+    not_ints = [
+        f"{key} must be an integer, got {config[key]!r}"
+        for key in ("block_size", "num_target_layers", "vocab_size", "mask_token_id")
+        if not isinstance(config[key], int) or isinstance(config[key], bool)
+    ]
+    if not_ints:
+        raise _invalid(path, not_ints)
+
     problems = list(problems)
     layers = config["num_target_layers"]
     ids = list(config["target_layer_ids"])
@@ -163,7 +181,17 @@ def validate_config(config: dict, path: Path, required_keys, problems=()) -> Non
         )
     if config["block_size"] < 1:
         problems.append(f"block_size {config['block_size']} must be >= 1")
+    if not 0 <= config["mask_token_id"] < config["vocab_size"]:
+        problems.append(
+            f"mask_token_id {config['mask_token_id']} is outside the vocabulary "
+            f"[0, {config['vocab_size']})"
+        )
     rank = config.get("markov_rank") or 0
+    kind = config.get("markov_head_type")
+    if rank > 0 and kind not in MARKOV_HEADS:
+        problems.append(
+            f"markov_head_type {kind!r} is not one of {', '.join(MARKOV_HEADS)}"
+        )
     if (
         config.get("enable_confidence_head")
         and config.get("confidence_head_with_markov")
@@ -171,13 +199,11 @@ def validate_config(config: dict, path: Path, required_keys, problems=()) -> Non
     ):
         problems.append("confidence_head_with_markov needs markov_rank > 0")
     if problems:
-        raise ValueError(
-            f"{path}/config.json is not a valid DeepSpec drafter config: "
-            + "; ".join(problems)
-            + "."
-        )
+        raise _invalid(path, problems)
 
 
-def load_deepspec(path: Path, model_class, args_class, family, confidence_threshold, dtype):
+def load_deepspec(
+    path: Path, model_class, args_class, family, confidence_threshold, dtype
+):
     model = load_network(path, model_class, args_class, dtype)
     return DeepSpecDrafter(model, family, path, confidence_threshold)

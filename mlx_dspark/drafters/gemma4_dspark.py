@@ -155,9 +155,14 @@ def config_problems(config: dict) -> list:
     if activation != "gelu_pytorch_tanh":
         problems.append(f"hidden_activation {activation!r} is not supported")
     if config.get("enable_moe_block") or config.get("hidden_size_per_layer_input"):
-        problems.append("MoE blocks and per-layer inputs are not part of DSpark drafters")
-    if "full_attention" not in (config.get("rope_parameters") or {}):
-        problems.append("rope_parameters has no 'full_attention' entry")
+        problems.append(
+            "MoE blocks and per-layer inputs are not part of DSpark drafters"
+        )
+    full = (config.get("rope_parameters") or {}).get("full_attention")
+    if not isinstance(full, dict) or full.get("rope_theta") is None:
+        problems.append(
+            "rope_parameters has no 'full_attention' entry with a rope_theta"
+        )
     return problems
 
 
@@ -169,8 +174,9 @@ def load(path: Path, config: dict, confidence_threshold: float = 0.0, dtype=None
 KIND = DrafterKind(
     name="deepspec-gemma4",
     architectures=("Gemma4DSparkModel",),
-    detect=lambda config: (config.get("architectures") or [None])[0]
-    == "Gemma4DSparkModel",
+    detect=lambda config: (
+        (config.get("architectures") or [None])[0] == "Gemma4DSparkModel"
+    ),
     load=load,
 )
 

@@ -144,8 +144,9 @@ def load(path: Path, config: dict, confidence_threshold: float = 0.0, dtype=None
 KIND = DrafterKind(
     name="deepspec-qwen3",
     architectures=("Qwen3DSparkModel",),
-    detect=lambda config: (config.get("architectures") or [None])[0]
-    == "Qwen3DSparkModel",
+    detect=lambda config: (
+        (config.get("architectures") or [None])[0] == "Qwen3DSparkModel"
+    ),
     load=load,
 )
 

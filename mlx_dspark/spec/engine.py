@@ -16,6 +16,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import RotatingKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
+from ..cache import SlidingWindowKVCache
 from ..plugins import find_target_adapter
 from .acceptance import greedy_accept
 from .stats import Round, SpeculativeStats
@@ -33,9 +34,9 @@ def make_prompt_cache(model: nn.Module, drafter) -> List[Any]:
     return target.make_cache(drafter.block_size + 1) + drafter.make_cache()
 
 
-def _split_prompt_cache(prompt_cache, target, drafter):
+def _split_prompt_cache(prompt_cache, target, drafter, num_draft_tokens):
     if prompt_cache is None:
-        return target.make_cache(drafter.block_size + 1), drafter.make_cache()
+        return target.make_cache(num_draft_tokens + 1), drafter.make_cache()
     num_draft = len(drafter.make_cache())
     target_cache, draft_cache = prompt_cache[:-num_draft], prompt_cache[-num_draft:]
     if any(isinstance(c, RotatingKVCache) for c in target_cache):
@@ -48,6 +49,18 @@ def _split_prompt_cache(prompt_cache, target, drafter):
         raise ValueError(
             "The prompt cache was not made for this target and drafter; make it "
             "with mlx_dspark.make_prompt_cache(model, drafter)."
+        )
+    shallow = [
+        c.max_rollback
+        for c in target_cache
+        if isinstance(c, SlidingWindowKVCache) and c.max_rollback < num_draft_tokens + 1
+    ]
+    if shallow:
+        raise ValueError(
+            f"This prompt cache can roll back {min(shallow)} tokens, but verifying "
+            f"{num_draft_tokens} drafts needs {num_draft_tokens + 1}; lower "
+            "num_draft_tokens or make the cache with "
+            "mlx_dspark.make_prompt_cache(model, drafter) for this drafter."
         )
     if target_cache[0].offset != draft_cache[0].offset:
         raise ValueError(
@@ -76,6 +89,24 @@ def _check_options(sampler, logits_processors, kv_bits):
         )
 
 
+def _check_prompt(prompt: mx.array, vocab_size: int) -> mx.array:
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError(
+            f"The prompt must be a non-empty 1-D array of token ids, got shape {prompt.shape}."
+        )
+    low, high = mx.min(prompt).item(), mx.max(prompt).item()
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"The prompt has token ids outside the target's vocabulary "
+            f"[0, {vocab_size}): min {low}, max {high}."
+        )
+    return prompt.astype(mx.uint32)
+
+
+def _log_softmax(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def speculative_generate_step(
     prompt: mx.array,
     model: nn.Module,
@@ -102,11 +133,17 @@ def speculative_generate_step(
     ``speculative_generate_step``; ``logprobs`` are the target's
     log-probabilities at that position. ``stop_tokens`` end a round inside
     the accepted drafts (so no work is done past them); ``stats``, if given,
-    is filled in as rounds complete. The prompt cache (see
-    ``make_prompt_cache``) afterwards holds the prompt and every yielded token
-    but the last, target and drafter alike.
+    is filled in as rounds complete. A ``prompt_cache`` (see
+    ``make_prompt_cache``) afterwards holds the prompt and every yielded
+    token, target and drafter alike, as after mlx-lm's ``generate_step``.
     """
     _check_options(sampler, logits_processors, kv_bits)
+    if max_tokens == 0:
+        return
+    if max_tokens < -1:
+        raise ValueError(
+            f"max_tokens must be positive or -1 (no limit), got {max_tokens}."
+        )
     block_size = drafter.block_size
     if num_draft_tokens is None:
         num_draft_tokens = block_size
@@ -115,10 +152,11 @@ def speculative_generate_step(
             f"num_draft_tokens must be between 1 and the drafter's trained "
             f"block size {block_size}, got {num_draft_tokens}."
         )
-    if prompt.size == 0:
-        raise ValueError("The prompt is empty.")
     target = adapt_target(model, drafter)
-    target_cache, draft_cache = _split_prompt_cache(prompt_cache, target, drafter)
+    prompt = _check_prompt(prompt, target.vocab_size)
+    target_cache, draft_cache = _split_prompt_cache(
+        prompt_cache, target, drafter, num_draft_tokens
+    )
     stats = stats if stats is not None else SpeculativeStats(drafter.name, block_size)
     stop_tokens = set(stop_tokens)
     taps = drafter.taps
@@ -126,35 +164,45 @@ def speculative_generate_step(
     progress = prompt_progress_callback or (lambda *_: None)
 
     def forward(tokens):
+        """Target forward on new tokens; the drafter takes in their taps only
+        once they are final (see ``commit``)."""
         return target(tokens[None], target_cache, taps)
 
+    def settle(first_position, yielded_tokens):
+        """Leave the caches holding the prompt and every yielded token."""
+        keep = first_position + len(yielded_tokens)
+        base = keep - 1 if yielded_tokens else keep
+        for c in target_cache + draft_cache:
+            c.trim(c.offset - base)
+        if yielded_tokens:
+            out = forward(mx.array(yielded_tokens[-1:], mx.uint32))
+            drafter.commit(draft_cache, out.hidden)
+        mx.eval([c.state for c in target_cache + draft_cache])
+
     with mx.stream(stream):
-        prompt = prompt.astype(mx.uint32)
         total, done = prompt.size, 0
         progress(done, total)
         while prompt.size - done > 1:
             n = min(prefill_step_size, prompt.size - done - 1)
-            out = forward(prompt[done : done + n])
-            drafter.commit(draft_cache, out.hidden)
+            drafter.commit(draft_cache, forward(prompt[done : done + n]).hidden)
             mx.eval([c.state for c in target_cache + draft_cache])
             done += n
             progress(done, total)
             mx.clear_cache()
         out = forward(prompt[done:])
         drafter.commit(draft_cache, out.hidden)
-        logits = out.logits[0, -1:]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        anchor = mx.argmax(logits, axis=-1)
+        logprobs = _log_softmax(out.logits[0, -1:])
+        anchor = mx.argmax(logprobs, axis=-1)
         mx.eval(anchor)
         progress(total, total)
         first_position = target_cache[0].offset
-        yielded = 0
+        yielded = []
 
         try:
             token = anchor.item()
+            yielded.append(token)
             yield token, logprobs[0], False
-            yielded += 1
-            while token not in stop_tokens and yielded != max_tokens:
+            while token not in stop_tokens and len(yielded) != max_tokens:
                 start = target_cache[0].offset
                 proposal = drafter.propose(draft_cache, anchor, num_draft_tokens)
                 num_verify = num_draft_tokens
@@ -166,17 +214,19 @@ def speculative_generate_step(
 
                 drafts = proposal.tokens[:num_verify]
                 out = forward(mx.concatenate([anchor.reshape(1), drafts]))
-                logits = out.logits[0]
-                target_tokens = mx.argmax(logits, axis=-1)
+                logprobs = _log_softmax(out.logits[0])
+                target_tokens = mx.argmax(logprobs, axis=-1)
                 accepted = greedy_accept(drafts, target_tokens)
                 mx.eval(accepted, target_tokens, proposal.tokens, proposal.confidence)
 
                 accepted = accepted.item()
                 emitted = target_tokens[: accepted + 1].tolist()
-                next_token = emitted[-1]
+                next_token, verified = emitted[-1], num_verify
                 for i, t in enumerate(emitted[:accepted]):
                     if t in stop_tokens:
-                        accepted, emitted, next_token = i + 1, emitted[: i + 1], None
+                        # DeepSpec: the round ends at the stop token, no bonus.
+                        accepted = verified = i + 1
+                        emitted, next_token = emitted[:accepted], None
                         break
 
                 for c in target_cache:
@@ -192,21 +242,18 @@ def speculative_generate_step(
                             if proposal.confidence is None
                             else proposal.confidence.tolist()
                         ),
-                        proposed=num_verify,
+                        proposed=verified,
                         accepted=accepted,
                         next_token=next_token,
                     )
                 )
 
-                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 for i, token in enumerate(emitted):
+                    yielded.append(token)
                     yield token, logprobs[i], i < accepted
-                    yielded += 1
-                    if token in stop_tokens or yielded == max_tokens:
+                    if token in stop_tokens or len(yielded) == max_tokens:
                         break
                 anchor = target_tokens[accepted]
         finally:
-            # Keep exactly the prompt and the yielded tokens but the last.
-            excess = target_cache[0].offset - (first_position + max(yielded - 1, 0))
-            for c in target_cache + draft_cache:
-                c.trim(excess)
+            if prompt_cache is not None:
+                settle(first_position, yielded)

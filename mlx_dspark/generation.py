@@ -7,7 +7,7 @@ from typing import Generator, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm import stream_generate as mlx_lm_stream_generate
+from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
