@@ -6,7 +6,8 @@ the names below is used, because the auto-activation hook (see
 """
 
 import importlib
-from typing import TYPE_CHECKING
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing at startup
 
 __version__ = "0.1.0"
 

@@ -11,7 +11,6 @@ patches in ``mlx_dspark.integration`` are applied to it.
 Set ``MLX_DSPARK_DISABLE=1`` to switch this off.
 """
 
-import importlib.abc
 import os
 import sys
 
@@ -27,7 +26,7 @@ def disabled() -> bool:
     )
 
 
-class _PatchingLoader(importlib.abc.Loader):
+class _PatchingLoader:
     """Runs the real loader, then patches the module it produced."""
 
     def __init__(self, loader):
@@ -46,7 +45,9 @@ class _PatchingLoader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
-class PostImportHook(importlib.abc.MetaPathFinder):
+class PostImportHook:
+    """A ``sys.meta_path`` finder that wraps the loaders of ``TARGETS``."""
+
     def find_spec(self, fullname, path, target=None):
         if fullname not in TARGETS or disabled():
             return None

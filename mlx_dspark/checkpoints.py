@@ -113,8 +113,9 @@ def load_drafter(
 
     The installed drafter kinds (plugins) decide what the checkpoint is from
     its ``config.json``. ``options`` go to the kind's loader; the DeepSpec
-    drafters take ``confidence_threshold`` (default 0: verify every draft)
-    and ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``).
+    drafters take ``confidence_threshold`` (default 0: verify every draft),
+    ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``) and ``lazy``
+    (check the checkpoint without reading the weights yet).
     """
     path = resolve_checkpoint(path_or_hub_id, revision)
     config = read_config(path)

@@ -203,7 +203,7 @@ def validate_config(config: dict, path: Path, required_keys, problems=()) -> Non
 
 
 def load_deepspec(
-    path: Path, model_class, args_class, family, confidence_threshold, dtype
+    path: Path, model_class, args_class, family, confidence_threshold, dtype, lazy
 ):
-    model = load_network(path, model_class, args_class, dtype)
+    model = load_network(path, model_class, args_class, dtype, lazy)
     return DeepSpecDrafter(model, family, path, confidence_threshold)

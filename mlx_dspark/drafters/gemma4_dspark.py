@@ -166,9 +166,13 @@ def config_problems(config: dict) -> list:
     return problems
 
 
-def load(path: Path, config: dict, confidence_threshold: float = 0.0, dtype=None):
+def load(
+    path: Path, config: dict, confidence_threshold: float = 0.0, dtype=None, lazy=False
+):
     validate_config(config, path, REQUIRED_KEYS, config_problems(config))
-    return load_deepspec(path, Model, ModelArgs, "gemma4", confidence_threshold, dtype)
+    return load_deepspec(
+        path, Model, ModelArgs, "gemma4", confidence_threshold, dtype, lazy
+    )
 
 
 KIND = DrafterKind(

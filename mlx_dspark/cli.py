@@ -1,0 +1,42 @@
+"""The ``mlx_dspark`` command.
+
+``mlx_dspark generate ...`` and ``mlx_dspark server ...`` are mlx-lm's own
+``mlx_lm.generate`` and ``mlx_lm.server`` with mlx-dspark activated
+explicitly: every mlx-lm flag passes through. They work without the
+auto-activation (for example with ``MLX_DSPARK_DISABLE=1``, or on Python
+versions that no longer run ``.pth`` import lines).
+"""
+
+import importlib
+import sys
+
+COMMANDS = {"generate": "mlx_lm.generate", "server": "mlx_lm.server"}
+
+USAGE = """\
+usage: mlx_dspark {generate,server} [mlx-lm flags ...]
+
+  generate   mlx_lm.generate with hidden-state drafters (--draft-model)
+  server     mlx_lm.server with hidden-state drafters (--draft-model)
+
+Run `mlx_dspark generate --help` for the flags."""
+
+
+def main():
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if len(sys.argv) >= 2 else 2
+    command = sys.argv.pop(1)
+    if command not in COMMANDS:
+        print(f"mlx_dspark: error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    from .integration import patch_module
+
+    module = importlib.import_module(COMMANDS[command])
+    if not patch_module(module):
+        return 1
+    sys.argv[0] = f"mlx_dspark {command}"
+    return module.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""``mlx_lm.generate`` and ``mlx_lm.server`` command lines with hidden-state
+drafters: mlx-dspark's own flags, drafter-aware defaults, a check of the
+drafter against the target before anything runs, and one-line errors."""
+
+import argparse
+import sys
+import threading
+from typing import Callable, List, Optional, Tuple
+
+from mlx_lm.utils import _download, load_model
+
+from ..checkpoints import load_drafter
+from ..spec.engine import adapt_target
+from ..plugins import drafter_kinds
+from .dispatch import StatsSlot, checkpoint_config, drafter_options, local, preloaded
+
+HELP = """\
+mlx-dspark (hidden-state speculative drafters, e.g. DeepSeek DSpark/DFlash):
+  --draft-model PATH_OR_HUB_ID   may also be a DSpark/DFlash drafter checkpoint
+  --num-draft-tokens N           with such a drafter: drafts verified per round,
+                                 1 .. its trained block size (the default)
+  --draft-confidence-threshold T verify drafts only up to the first whose
+                                 confidence is below T (DSpark; default 0: all)
+  Set MLX_DSPARK_DISABLE=1 to run mlx-lm unchanged.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--draft-confidence-threshold", type=float, default=0.0)
+    return parser
+
+
+def _probe(argv: List[str]) -> argparse.Namespace:
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--model")
+    probe.add_argument("--draft-model")
+    probe.add_argument("--num-draft-tokens", type=int)
+    return probe.parse_known_args(argv)[0]
+
+
+def prepare(argv: List[str]) -> Tuple[List[str], Optional[dict]]:
+    """Take mlx-dspark's flags out of ``argv`` and default
+    ``--num-draft-tokens`` to a hidden-state drafter's block size. Returns the
+    arguments for mlx-lm and the drafter's config (``None`` for no drafter or
+    an ordinary draft model)."""
+    ours, rest = _parser().parse_known_args(argv)
+    args = _probe(rest)
+    config = None
+    if args.draft_model is not None:
+        config = checkpoint_config(args.draft_model)
+        if not any(kind.detect(config) for kind in drafter_kinds()):
+            config = None
+    if config is None:
+        if ours.draft_confidence_threshold:
+            raise ValueError(
+                "--draft-confidence-threshold needs a hidden-state drafter "
+                "(DSpark) as --draft-model."
+            )
+        return rest, None
+    block = config["block_size"]
+    if args.num_draft_tokens is None:
+        rest += ["--num-draft-tokens", str(block)]
+    elif not 1 <= args.num_draft_tokens <= block:
+        raise ValueError(
+            f"--num-draft-tokens must be between 1 and the drafter's trained "
+            f"block size {block}, got {args.num_draft_tokens}."
+        )
+    drafter_options.clear()
+    drafter_options["confidence_threshold"] = ours.draft_confidence_threshold
+    return rest, config
+
+
+def preflight(model_path: str, draft_path: str) -> None:
+    """Check the drafter checkpoint and its pairing with the target from the
+    checkpoints' configs and tensor headers, without reading any weights."""
+    drafter = load_drafter(draft_path, lazy=True, **drafter_options)
+    target, _ = load_model(_download(model_path), lazy=True)
+    adapt_target(target, drafter)
+    preloaded[draft_path] = (threading.get_ident(), drafter)
+
+
+def _fail(prog: str, error: Exception):
+    print(f"{prog}: error: {error}", file=sys.stderr)
+    sys.exit(1)
+
+
+def wrap_main(original: Callable, prog: str, default_model: Optional[str] = None):
+    """An mlx-lm ``main`` that understands hidden-state drafters."""
+
+    def main():
+        argv = sys.argv[1:]
+        if "-h" in argv or "--help" in argv:
+            print(HELP)
+            return original()
+        try:
+            argv, config = prepare(argv)
+            if config is not None:
+                args = _probe(argv)
+                preflight(args.model or default_model, args.draft_model)
+        except ValueError as e:
+            _fail(prog, e)
+        sys.argv = sys.argv[:1] + argv
+        if config is None:
+            return original()
+        try:
+            return original()
+        except ValueError as e:
+            _fail(prog, e)
+
+    return main
+
+
+def verbose_stats(original: Callable) -> Callable:
+    """``mlx_lm.generate.generate`` that, when verbose, also prints the
+    speculative statistics."""
+
+    def generate(*args, verbose: bool = False, **kwargs):
+        local.slot = StatsSlot()
+        try:
+            text = original(*args, verbose=verbose, **kwargs)
+        finally:
+            slot, local.slot = local.slot, None
+        if verbose and slot.stats is not None:
+            print(f"Speculative: {slot.stats.summary()}")
+        return text
+
+    return generate

@@ -1,0 +1,212 @@
+"""Routing mlx-lm's speculative decoding: hidden-state drafters go to the
+mlx-dspark engine; ordinary draft models go to mlx-lm's own loop, given caches
+that roll back correctly past a sliding window."""
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import HfHubHTTPError
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
+
+from ..cache import SlidingWindowKVCache
+from ..checkpoints import load_drafter, read_config
+from ..plugins import drafter_kinds, find_target_adapter
+from ..spec import engine
+from ..spec.stats import SpeculativeStats
+
+# Per thread: the slot a speculative run reports its statistics to (set by
+# the CLI, or by the server for the request it serves) and, in the server, the
+# rollback depth of the caches it makes. Per process: the drafter options the
+# command-line flags set, and drafters the CLI checked before mlx-lm loads
+# them (the server loads in its generation thread).
+local = threading.local()
+drafter_options = {}
+preloaded = {}
+
+
+@dataclass
+class StatsSlot:
+    stats: Optional[SpeculativeStats] = None
+
+
+def is_drafter(obj) -> bool:
+    """A hidden-state drafter (``mlx_dspark.drafters.base.Drafter``), as
+    opposed to an ordinary draft language model."""
+    return callable(getattr(obj, "propose", None)) and callable(
+        getattr(obj, "commit", None)
+    )
+
+
+def checkpoint_config(path_or_hub_id: str) -> dict:
+    """The ``config.json`` of a local checkpoint or a Hub repository."""
+    path = Path(path_or_hub_id).expanduser()
+    if not path.exists():
+        try:
+            path = Path(hf_hub_download(str(path_or_hub_id), "config.json")).parent
+        except (OSError, ValueError, HfHubHTTPError) as e:
+            raise ValueError(
+                f"No model at {path_or_hub_id}: it is not a local directory, and "
+                f"the Hugging Face Hub could not provide it ({e})."
+            ) from None
+    return read_config(path)
+
+
+def drafter_config(path_or_hub_id: str) -> Optional[dict]:
+    """The config of ``path_or_hub_id`` if an installed drafter kind claims
+    it, else ``None``."""
+    try:
+        config = checkpoint_config(path_or_hub_id)
+    except ValueError:
+        return None
+    if any(kind.detect(config) for kind in drafter_kinds()):
+        return config
+    return None
+
+
+def load_with_drafters(original_load: Callable) -> Callable:
+    """mlx-lm's ``load``, which also accepts hidden-state drafter checkpoints.
+
+    mlx-lm's CLI and server load the target with options, then the draft
+    with none, and compare their tokenizers' vocabularies. So a call without
+    options is looked at: for a drafter checkpoint it returns ``(drafter,
+    tokenizer)`` with the target's tokenizer (drafter checkpoints ship none;
+    the pairing is checked on the models themselves).
+    """
+    last_tokenizer = {}
+
+    def load(path_or_hf_repo, *args, **kwargs):
+        if not args and not kwargs and drafter_config(path_or_hf_repo) is not None:
+            # MLX arrays belong to the thread that made them: the server loads
+            # in its generation thread, not where the CLI checked the drafter.
+            thread, drafter = preloaded.pop(path_or_hf_repo, (None, None))
+            if thread != threading.get_ident():
+                drafter = load_drafter(path_or_hf_repo, **drafter_options)
+            mx.eval(drafter.model.parameters())
+            return drafter, last_tokenizer.get("target")
+        result = original_load(path_or_hf_repo, *args, **kwargs)
+        last_tokenizer["target"] = result[1]
+        return result
+
+    return load
+
+
+def rollback_caches(model, max_rollback: int):
+    """``model``'s caches from its target adapter, or ``None`` without one."""
+    try:
+        adapter = find_target_adapter(model)
+    except ValueError:
+        return None
+    return adapter.adapt(model).make_cache(max_rollback)
+
+
+def _settle(model, cache, tokens, start):
+    """Trim or extend ``cache`` so that it holds exactly ``tokens`` after
+    position ``start``."""
+    want = start + len(tokens)
+    offset = cache[0].offset
+    if offset > want:
+        for c in cache:
+            c.trim(offset - want)
+    elif offset < want:
+        model(mx.array(tokens[offset - start :], mx.uint32)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+
+
+def two_model_step(
+    original: Callable,
+    prompt,
+    model,
+    draft_model,
+    stream=generation_stream,
+    *,
+    prompt_cache=None,
+    num_draft_tokens: int = 3,
+    **kwargs,
+):
+    """mlx-lm's own speculative loop with an ordinary draft model, made
+    lossless past a sliding window by caches that roll back at any length.
+
+    With a prompt cache, afterwards it holds the prompt and every yielded
+    token (mlx-lm's own loop leaves the last one out, which desynchronises a
+    reused cache from the tokens it is keyed by).
+    """
+    target_cache = rollback_caches(model, num_draft_tokens + 1)
+    if target_cache is None:
+        yield from original(
+            prompt,
+            model,
+            draft_model,
+            stream,
+            prompt_cache=prompt_cache,
+            num_draft_tokens=num_draft_tokens,
+            **kwargs,
+        )
+        return
+    if prompt_cache is None:
+        draft_cache = rollback_caches(
+            draft_model, num_draft_tokens + 1
+        ) or mlx_lm_make_prompt_cache(draft_model)
+        yield from original(
+            prompt,
+            model,
+            draft_model,
+            stream,
+            prompt_cache=target_cache + draft_cache,
+            num_draft_tokens=num_draft_tokens,
+            **kwargs,
+        )
+        return
+
+    split = len(model.layers)
+    target_cache, draft_cache = prompt_cache[:split], prompt_cache[split:]
+    shallow = [
+        c.max_rollback
+        for c in target_cache + draft_cache
+        if isinstance(c, SlidingWindowKVCache) and c.max_rollback < num_draft_tokens + 1
+    ]
+    if shallow:
+        raise ValueError(
+            f"This prompt cache can roll back {min(shallow)} tokens; verifying "
+            f"{num_draft_tokens} drafts needs {num_draft_tokens + 1}."
+        )
+    start = target_cache[0].offset
+    history = prompt.tolist()
+    try:
+        for token, logprobs, from_draft in original(
+            prompt,
+            model,
+            draft_model,
+            stream,
+            prompt_cache=prompt_cache,
+            num_draft_tokens=num_draft_tokens,
+            **kwargs,
+        ):
+            history.append(token)
+            yield token, logprobs, from_draft
+    finally:
+        _settle(model, target_cache, history, start)
+        _settle(draft_model, draft_cache, history, start)
+
+
+def dispatcher(original: Callable) -> Callable:
+    """A replacement for ``mlx_lm.generate.speculative_generate_step``."""
+
+    def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
+        if not is_drafter(draft_model):
+            return two_model_step(original, prompt, model, draft_model, *args, **kwargs)
+        stats = SpeculativeStats(draft_model.name, draft_model.block_size)
+        slot = getattr(local, "slot", None)
+        if slot is not None:
+            slot.stats = stats
+        return engine.speculative_generate_step(
+            prompt, model, draft_model, *args, stats=stats, **kwargs
+        )
+
+    speculative_generate_step.__doc__ = original.__doc__
+    return speculative_generate_step
+

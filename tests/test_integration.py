@@ -1,0 +1,399 @@
+"""End to end through mlx-lm's own commands: the real console scripts and a
+real server process on loopback, with the bundled tiny models."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from conftest import DEEPSPEC_TINY, FIXTURES
+
+TARGET = DEEPSPEC_TINY / "target_tiny_gemma4"
+DSPARK = DEEPSPEC_TINY / "dspark_tiny_gemma4_block4"
+QWEN3 = FIXTURES / "deepspec-qwen3-tiny"
+BIN = Path(sys.executable).parent
+PROMPT = "w65 w211 w266 w241 w234"
+
+
+def env(**extra):
+    environment = dict(os.environ)
+    environment.pop("MLX_DSPARK_DISABLE", None)
+    environment.update(extra)
+    return environment
+
+
+def cli(*args, environment=None):
+    return subprocess.run(
+        [str(BIN / args[0]), *map(str, args[1:])],
+        capture_output=True,
+        text=True,
+        env=environment or env(),
+        timeout=300,
+    )
+
+
+def generated_text(result) -> str:
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split("==========")[1].strip()
+
+
+def generate(*extra, environment=None, max_tokens=60):
+    return cli(
+        "mlx_lm.generate",
+        "--model",
+        TARGET,
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        max_tokens,
+        "--ignore-chat-template",
+        *extra,
+        environment=environment,
+    )
+
+
+@pytest.fixture(scope="module")
+def plain_text():
+    return generated_text(generate())
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(tmp_path_factory):
+    """An ordinary draft language model: a perturbed copy of the target."""
+    path = tmp_path_factory.mktemp("noisy_draft")
+    for f in TARGET.iterdir():
+        shutil.copy(f, path)
+    weights = mx.load(str(TARGET / "model.safetensors"))
+    mx.random.seed(0)
+    noisy = {k: v + 0.05 * mx.random.normal(v.shape) for k, v in weights.items()}
+    mx.save_safetensors(str(path / "model.safetensors"), noisy)
+    return path
+
+
+def test_generate_with_drafter_prints_exactly_the_plain_text(plain_text):
+    """60 tokens cross the tiny target's sliding window (8) many times."""
+    result = generate("--draft-model", DSPARK)
+    assert generated_text(result) == plain_text
+    line = next(x for x in result.stdout.splitlines() if x.startswith("Speculative:"))
+    assert "dspark:" in line and "tau" in line and "acceptance by position" in line
+
+
+def test_hub_ids_resolve_from_the_local_cache_offline(tmp_path, plain_text):
+    for repo, source in (("org--tiny-gemma4", TARGET), ("org--tiny-dspark", DSPARK)):
+        root = tmp_path / f"models--{repo}"
+        (root / "refs").mkdir(parents=True)
+        (root / "refs" / "main").write_text("abc123")
+        shutil.copytree(source, root / "snapshots" / "abc123")
+    result = cli(
+        "mlx_lm.generate",
+        "--model",
+        "org/tiny-gemma4",
+        "--draft-model",
+        "org/tiny-dspark",
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        60,
+        "--ignore-chat-template",
+        environment=env(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path)),
+    )
+    assert generated_text(result) == plain_text
+
+
+def test_flags_num_draft_tokens_and_threshold(plain_text):
+    result = generate(
+        "--draft-model", DSPARK, "--num-draft-tokens", 2, "--draft-confidence-threshold", 0.5
+    )
+    assert generated_text(result) == plain_text
+    positions = result.stdout.split("acceptance by position [")[1].split("]")[0].split()
+    assert positions[2:] == ["-", "-"]  # never more than 2 drafts verified
+
+
+def test_explicit_wrapper_works_without_auto_activation(plain_text):
+    result = cli(
+        "mlx_dspark",
+        "generate",
+        "--model",
+        TARGET,
+        "--draft-model",
+        DSPARK,
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        60,
+        "--ignore-chat-template",
+        environment=env(MLX_DSPARK_DISABLE="1"),
+    )
+    assert generated_text(result) == plain_text
+    assert "Speculative:" in result.stdout
+
+
+def test_disable_restores_stock_mlx_lm(plain_text):
+    stock = env(MLX_DSPARK_DISABLE="1")
+    assert generated_text(generate(environment=stock)) == plain_text
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, mlx_lm, mlx_lm.server;"
+            "print(sys.modules['mlx_lm.generate'].speculative_generate_step.__module__,"
+            " sys.modules['mlx_lm.server'].LRUPromptCache.__module__)",
+        ],
+        capture_output=True,
+        text=True,
+        env=stock,
+    )
+    assert probe.stdout.split() == ["mlx_lm.generate", "mlx_lm.models.cache"]
+    # Stock mlx-lm cannot load a DeepSpec drafter.
+    assert generate("--draft-model", DSPARK, environment=stock).returncode != 0
+
+
+def test_plain_draft_model_is_lossless_past_the_window(plain_text, noisy_draft):
+    """mlx-lm's own two-model loop, given caches that roll back, matches
+    plain decoding; without mlx-dspark it does not."""
+    args = ("--draft-model", noisy_draft, "--num-draft-tokens", 3)
+    assert generated_text(generate(*args)) == plain_text
+    stock = generated_text(generate(*args, environment=env(MLX_DSPARK_DISABLE="1")))
+    assert stock != plain_text
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A model family no installed adapter can tap."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    path = tmp_path_factory.mktemp("llama")
+    config = dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=6,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-5,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    )
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(TARGET / name, path)
+    return path
+
+
+@pytest.fixture
+def corrupt_drafter(tmp_path):
+    path = tmp_path / "corrupt"
+    shutil.copytree(DSPARK, path)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return path
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("wrong-target", "was not trained for this target: it drafts for qwen3 targets"),
+        ("missing", "No model at /no/such/drafter"),
+        ("corrupt", "corrupt or truncated"),
+        ("untappable", "not supported for hidden-state drafting"),
+        ("too-many-drafts", "--num-draft-tokens must be between 1 and the drafter's trained block size 4, got 5"),
+    ],
+)
+def test_errors_are_one_clear_line(case, message, corrupt_drafter, tiny_llama):
+    draft = {
+        "wrong-target": QWEN3 / "dspark_tiny_qwen3_block4",
+        "missing": "/no/such/drafter",
+        "corrupt": corrupt_drafter,
+    }.get(case, DSPARK)
+    args = ["--draft-model", draft]
+    if case == "too-many-drafts":
+        args += ["--num-draft-tokens", 5]
+    model = tiny_llama if case == "untappable" else TARGET
+    result = cli(
+        "mlx_lm.generate", "--model", model, "--prompt", PROMPT, "--ignore-chat-template", *args
+    )
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("mlx_lm.generate: error: ")
+    assert message in result.stderr
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp_path, *args):
+        self.port = free_port()
+        self.log = tmp_path / f"server-{self.port}.log"
+        self.process = subprocess.Popen(
+            [str(BIN / "mlx_lm.server"), "--model", str(TARGET), "--port", str(self.port), *map(str, args)],
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env(HF_HUB_CACHE=str(tmp_path)),
+        )
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert self.process.poll() is None, self.log.read_text()
+            try:
+                self.post("/v1/completions", {"prompt": "w5", "max_tokens": 1})
+                return
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError(self.log.read_text())
+
+    def post(self, path, body):
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            data = response.read().decode()
+        if body.get("stream"):
+            return [json.loads(line[6:]) for line in data.splitlines() if line.startswith("data: {")]
+        return json.loads(data)
+
+    def get(self, path):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=30) as r:
+            return json.loads(r.read())
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("servers")
+    speculative, plain = Server(tmp, "--draft-model", DSPARK), Server(tmp)
+    yield speculative, plain
+    speculative.stop()
+    plain.stop()
+
+
+def text_of(response):
+    choice = response["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def streamed_text(chunks):
+    parts = []
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            parts.append(choice.get("delta", {}).get("content") or choice.get("text") or "")
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_responses_equal_plain_ones(servers, endpoint, stream):
+    speculative, plain = servers
+    body = {"max_tokens": 50, "stream": stream}
+    if endpoint == "/v1/completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+        ours, theirs = speculative.post(endpoint, body), plain.post(endpoint, body)
+        assert streamed_text(ours) == streamed_text(theirs)
+        usage = ours[-1]["usage"]
+    else:
+        ours, theirs = speculative.post(endpoint, body), plain.post(endpoint, body)
+        assert text_of(ours) == text_of(theirs)
+        usage = ours["usage"]
+    stats = usage["speculative"]
+    assert stats["drafter"] == "dspark" and stats["rounds"] > 0
+    assert 0 <= stats["accepted"] <= stats["drafted"] and stats["tau"] >= 1
+
+
+def test_server_per_request_num_draft_tokens(servers):
+    speculative, plain = servers
+    body = {"prompt": "w7 w8 w9", "max_tokens": 30}
+    ours = speculative.post("/v1/completions", dict(body, num_draft_tokens=1))
+    assert text_of(ours) == text_of(plain.post("/v1/completions", body))
+    assert ours["usage"]["speculative"]["acceptance_by_position"][1:] == [None] * 3
+
+
+def test_server_multi_turn_reuses_the_cache_exactly(servers):
+    speculative, plain = servers
+    messages = [{"role": "user", "content": "w10 w20 w30 w40"}]
+    for turn in range(3):
+        ours = speculative.post("/v1/chat/completions", {"messages": messages, "max_tokens": 25})
+        theirs = plain.post("/v1/chat/completions", {"messages": messages, "max_tokens": 25})
+        assert text_of(ours) == text_of(theirs)
+        if turn:
+            assert ours["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        messages += [
+            {"role": "assistant", "content": text_of(ours)},
+            {"role": "user", "content": f"w{100 + turn} w{200 + turn}"},
+        ]
+
+
+def test_server_concurrent_clients_get_their_own_output(servers):
+    speculative, plain = servers
+    prompts = [f"w{5 + 37 * i} w{11 + 53 * i} w{17 + 29 * i}" for i in range(8)]
+    expected = [text_of(plain.post("/v1/completions", {"prompt": p, "max_tokens": 40})) for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(
+            pool.map(
+                lambda p: text_of(speculative.post("/v1/completions", {"prompt": p, "max_tokens": 40})),
+                prompts,
+            )
+        )
+    assert got == expected
+
+
+def test_server_lists_models_not_drafters_and_logs_statistics(servers):
+    speculative, _ = servers
+    ids = [m["id"] for m in speculative.get("/v1/models")["data"]]
+    assert ids == [str(TARGET.resolve())]
+    assert "Speculative decoding: dspark:" in speculative.log.read_text()
+
+
+def test_server_refuses_a_bad_pairing_at_startup(tmp_path):
+    result = subprocess.run(
+        [
+            str(BIN / "mlx_lm.server"),
+            "--model",
+            str(TARGET),
+            "--draft-model",
+            str(QWEN3 / "dspark_tiny_qwen3_block4"),
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert result.stderr.startswith("mlx_lm.server: error: The drafter")
+
+
+def test_server_reuses_only_what_the_cache_can_roll_back(servers):
+    """Repeating a long request would need trimming the cached context by
+    more than the sliding-window cache keeps; the server then uses no cache
+    rather than failing, and the output is unchanged."""
+    speculative, plain = servers
+    body = {"prompt": "w3 w33 w333 w303", "max_tokens": 60}
+    expected = text_of(plain.post("/v1/completions", body))
+    first = speculative.post("/v1/completions", body)
+    again = speculative.post("/v1/completions", body)
+    assert text_of(first) == text_of(again) == expected
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
