@@ -27,7 +27,10 @@ def main():
         return 0 if len(sys.argv) >= 2 else 2
     command = sys.argv.pop(1)
     if command not in COMMANDS:
-        print(f"mlx_dspark: error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        print(
+            f"mlx_dspark: error: unknown command {command!r}\n\n{USAGE}",
+            file=sys.stderr,
+        )
         return 2
     from .integration import patch_module
 

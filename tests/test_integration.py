@@ -111,7 +111,12 @@ def test_hub_ids_resolve_from_the_local_cache_offline(tmp_path, plain_text):
 
 def test_flags_num_draft_tokens_and_threshold(plain_text):
     result = generate(
-        "--draft-model", DSPARK, "--num-draft-tokens", 2, "--draft-confidence-threshold", 0.5
+        "--draft-model",
+        DSPARK,
+        "--num-draft-tokens",
+        2,
+        "--draft-confidence-threshold",
+        0.5,
     )
     assert generated_text(result) == plain_text
     positions = result.stdout.split("acceptance by position [")[1].split("]")[0].split()
@@ -185,7 +190,9 @@ def tiny_llama(tmp_path_factory):
         tie_word_embeddings=True,
     )
     model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(
+        str(path / "model.safetensors"), dict(tree_flatten(model.parameters()))
+    )
     (path / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(TARGET / name, path)
@@ -204,11 +211,17 @@ def corrupt_drafter(tmp_path):
 @pytest.mark.parametrize(
     "case,message",
     [
-        ("wrong-target", "was not trained for this target: it drafts for qwen3 targets"),
+        (
+            "wrong-target",
+            "was not trained for this target: it drafts for qwen3 targets",
+        ),
         ("missing", "No model at /no/such/drafter"),
         ("corrupt", "corrupt or truncated"),
         ("untappable", "not supported for hidden-state drafting"),
-        ("too-many-drafts", "--num-draft-tokens must be between 1 and the drafter's trained block size 4, got 5"),
+        (
+            "too-many-drafts",
+            "--num-draft-tokens must be between 1 and the drafter's trained block size 4, got 5",
+        ),
     ],
 )
 def test_errors_are_one_clear_line(case, message, corrupt_drafter, tiny_llama):
@@ -222,11 +235,19 @@ def test_errors_are_one_clear_line(case, message, corrupt_drafter, tiny_llama):
         args += ["--num-draft-tokens", 5]
     model = tiny_llama if case == "untappable" else TARGET
     result = cli(
-        "mlx_lm.generate", "--model", model, "--prompt", PROMPT, "--ignore-chat-template", *args
+        "mlx_lm.generate",
+        "--model",
+        model,
+        "--prompt",
+        PROMPT,
+        "--ignore-chat-template",
+        *args,
     )
     assert result.returncode == 1
     assert result.stdout == ""
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith("mlx_lm.generate: error: ")
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(
+        "mlx_lm.generate: error: "
+    )
     assert message in result.stderr
 
 
@@ -241,7 +262,14 @@ class Server:
         self.port = free_port()
         self.log = tmp_path / f"server-{self.port}.log"
         self.process = subprocess.Popen(
-            [str(BIN / "mlx_lm.server"), "--model", str(TARGET), "--port", str(self.port), *map(str, args)],
+            [
+                str(BIN / "mlx_lm.server"),
+                "--model",
+                str(TARGET),
+                "--port",
+                str(self.port),
+                *map(str, args),
+            ],
             stdout=self.log.open("w"),
             stderr=subprocess.STDOUT,
             env=env(HF_HUB_CACHE=str(tmp_path)),
@@ -265,11 +293,17 @@ class Server:
         with urllib.request.urlopen(request, timeout=120) as response:
             data = response.read().decode()
         if body.get("stream"):
-            return [json.loads(line[6:]) for line in data.splitlines() if line.startswith("data: {")]
+            return [
+                json.loads(line[6:])
+                for line in data.splitlines()
+                if line.startswith("data: {")
+            ]
         return json.loads(data)
 
     def get(self, path):
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=30) as r:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.port}{path}", timeout=30
+        ) as r:
             return json.loads(r.read())
 
     def stop(self):
@@ -295,7 +329,9 @@ def streamed_text(chunks):
     parts = []
     for chunk in chunks:
         for choice in chunk["choices"]:
-            parts.append(choice.get("delta", {}).get("content") or choice.get("text") or "")
+            parts.append(
+                choice.get("delta", {}).get("content") or choice.get("text") or ""
+            )
     return "".join(parts)
 
 
@@ -334,8 +370,12 @@ def test_server_multi_turn_reuses_the_cache_exactly(servers):
     speculative, plain = servers
     messages = [{"role": "user", "content": "w10 w20 w30 w40"}]
     for turn in range(3):
-        ours = speculative.post("/v1/chat/completions", {"messages": messages, "max_tokens": 25})
-        theirs = plain.post("/v1/chat/completions", {"messages": messages, "max_tokens": 25})
+        ours = speculative.post(
+            "/v1/chat/completions", {"messages": messages, "max_tokens": 25}
+        )
+        theirs = plain.post(
+            "/v1/chat/completions", {"messages": messages, "max_tokens": 25}
+        )
         assert text_of(ours) == text_of(theirs)
         if turn:
             assert ours["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
@@ -348,11 +388,16 @@ def test_server_multi_turn_reuses_the_cache_exactly(servers):
 def test_server_concurrent_clients_get_their_own_output(servers):
     speculative, plain = servers
     prompts = [f"w{5 + 37 * i} w{11 + 53 * i} w{17 + 29 * i}" for i in range(8)]
-    expected = [text_of(plain.post("/v1/completions", {"prompt": p, "max_tokens": 40})) for p in prompts]
+    expected = [
+        text_of(plain.post("/v1/completions", {"prompt": p, "max_tokens": 40}))
+        for p in prompts
+    ]
     with ThreadPoolExecutor(8) as pool:
         got = list(
             pool.map(
-                lambda p: text_of(speculative.post("/v1/completions", {"prompt": p, "max_tokens": 40})),
+                lambda p: text_of(
+                    speculative.post("/v1/completions", {"prompt": p, "max_tokens": 40})
+                ),
                 prompts,
             )
         )
@@ -397,3 +442,48 @@ def test_server_reuses_only_what_the_cache_can_roll_back(servers):
     again = speculative.post("/v1/completions", body)
     assert text_of(first) == text_of(again) == expected
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_activation_is_lazy_and_installed_for_every_interpreter():
+    """The installed .pth/.start files add only an import hook at start-up;
+    MLX, mlx-lm and the plugins load when mlx_lm.generate is imported."""
+    import site
+
+    assert any((Path(p) / "mlx_dspark.pth").is_file() for p in site.getsitepackages())
+    assert any((Path(p) / "mlx_dspark.start").is_file() for p in site.getsitepackages())
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys;"
+            "print(any(type(f).__name__ == 'PostImportHook' for f in sys.meta_path),"
+            " any(m.split('.')[0] in ('mlx', 'mlx_lm') for m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        env=env(),
+    )
+    assert probe.stdout.split() == ["True", "False"]
+
+
+def test_patches_are_idempotent_reversible_and_version_gated(monkeypatch, capsys):
+    import mlx_lm
+    import mlx_lm.server  # noqa: F401
+
+    from mlx_dspark.integration import patch_module, unpatch_module
+
+    module = sys.modules["mlx_lm.server"]
+    patched_main = module.main
+    assert patch_module(module) and module.main is patched_main
+    unpatch_module(module)
+    try:
+        assert module.main.__module__ == "mlx_lm.server"
+        assert module.LRUPromptCache.__module__ == "mlx_lm.models.cache"
+        assert module.ResponseGenerator._serve_single.__module__ == "mlx_lm.server"
+        monkeypatch.setattr(mlx_lm, "__version__", "0.33.0")
+        assert not patch_module(module)
+        assert "mlx-lm 0.33.0 is untested" in capsys.readouterr().err
+        assert module.main.__module__ == "mlx_lm.server"
+    finally:
+        monkeypatch.undo()
+        assert patch_module(module)

@@ -1,20 +1,33 @@
 """mlx-lm's own speculative decoding is not lossless on a sliding-window
 target; ours is, on the same target and prompts."""
 
+import sys
+
 import mlx.core as mx
+import pytest
 from mlx.utils import tree_map
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-from mlx_lm.generate import speculative_generate_step as mlx_lm_speculative
 
 from mlx_dspark import speculative_generate_step
+from mlx_dspark.integration import patch_module, unpatch_module
 
 from conftest import DEEPSPEC_TINY
 
 PROMPTS = ([65, 211, 266, 241, 234, 10, 325], [5, 6, 7], [100, 200, 300, 400])
 
 
-def test_mlx_lm_diverges_at_the_window_and_we_do_not(tiny_pair):
+@pytest.fixture
+def stock_mlx_lm():
+    """mlx_lm.generate with mlx-dspark's patches taken out (auto-activation
+    applies them in this process)."""
+    module = sys.modules["mlx_lm.generate"]
+    unpatch_module(module)
+    yield module
+    patch_module(module)
+
+
+def test_mlx_lm_diverges_at_the_window_and_we_do_not(tiny_pair, stock_mlx_lm):
     model, _, drafter = tiny_pair
     # An ordinary draft model that mostly agrees with the target: a noisy copy.
     draft, _ = load(str(DEEPSPEC_TINY / "target_tiny_gemma4"))
@@ -29,7 +42,7 @@ def test_mlx_lm_diverges_at_the_window_and_we_do_not(tiny_pair):
         plain = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=60)]
         theirs = [
             t
-            for t, _, _ in mlx_lm_speculative(
+            for t, _, _ in stock_mlx_lm.speculative_generate_step(
                 mx.array(prompt), model, draft, num_draft_tokens=3, max_tokens=60
             )
         ]

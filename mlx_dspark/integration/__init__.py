@@ -29,7 +29,11 @@ def _generate_patches(module):
             dispatch.dispatcher(module.speculative_generate_step),
         ),
         (module, "generate", cli.verbose_stats(module.generate)),
-        (module, "main", cli.wrap_main(module.main, "mlx_lm.generate", module.DEFAULT_MODEL)),
+        (
+            module,
+            "main",
+            cli.wrap_main(module.main, "mlx_lm.generate", module.DEFAULT_MODEL),
+        ),
     ]
 
 
@@ -39,7 +43,11 @@ def _server_patches(module):
     generator, handler = module.ResponseGenerator, module.APIHandler
     return [
         (module, "load", dispatch.load_with_drafters(module.load)),
-        (module, "make_prompt_cache", server.make_prompt_cache(module.make_prompt_cache)),
+        (
+            module,
+            "make_prompt_cache",
+            server.make_prompt_cache(module.make_prompt_cache),
+        ),
         (module, "LRUPromptCache", server.RollbackAwarePromptCache),
         (
             generator,

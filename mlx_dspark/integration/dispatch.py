@@ -209,4 +209,3 @@ def dispatcher(original: Callable) -> Callable:
 
     speculative_generate_step.__doc__ = original.__doc__
     return speculative_generate_step
-

@@ -47,7 +47,9 @@ class RollbackAwarePromptCache(LRUPromptCache):
         if result.exact is not None:
             candidates.append((result.exact, len(tokens) - 1))
         if result.longer is not None and result.common_prefix > short_length:
-            candidates.append((result.longer, min(len(tokens) - 1, result.common_prefix)))
+            candidates.append(
+                (result.longer, min(len(tokens) - 1, result.common_prefix))
+            )
         for key, prefix in candidates:
             entry = self._trie.get(result.model, key)
             drop = len(key) - prefix
@@ -106,7 +108,11 @@ def serve_single(original, context_type):
         local.slot = slot
         local.max_rollback = max(SERVER_ROLLBACK, (args.num_draft_tokens or 0) + 1)
         try:
-            original(self, (_ReportingQueue(queue, slot, context_type), completion, args), stream)
+            original(
+                self,
+                (_ReportingQueue(queue, slot, context_type), completion, args),
+                stream,
+            )
         finally:
             local.slot = None
             local.max_rollback = None
