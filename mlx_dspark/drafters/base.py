@@ -12,9 +12,10 @@ class Proposal:
 
     Args:
         tokens: ``[k]`` drafted tokens, in order.
-        logits: ``[k, V]`` the logits each draft was drawn from (for DSpark
-            the Markov-corrected ones), or ``None`` if the drafter has no
-            proposal distribution.
+        logits: ``[k, V]`` the drafter's logits at each position (for DSpark
+            the Markov-corrected ones), or ``None``.
+        log_probs: ``[k, V]`` the log-distribution each draft was sampled
+            from, as returned by ``draw``; ``None`` for argmax drafts.
         confidence: ``[k]`` logits of the probability that draft ``i``
             survives verification given that drafts ``0..i-1`` did, or
             ``None`` without a confidence head.
@@ -22,6 +23,7 @@ class Proposal:
 
     tokens: mx.array
     logits: Optional[mx.array] = None
+    log_probs: Optional[mx.array] = None
     confidence: Optional[mx.array] = None
 
 
@@ -55,8 +57,10 @@ class Drafter(Protocol):
         cache: list,
         anchor: mx.array,
         num_drafts: int,
-        draw: Optional[Callable[[mx.array], mx.array]] = None,
+        draw: Optional[Callable] = None,
     ) -> Proposal:
         """Draft ``num_drafts`` tokens after ``anchor`` (the last emitted
-        token, not yet in the caches). ``draw`` maps ``[V]`` logits to a token;
-        ``None`` means argmax. Must leave ``cache`` as it found it."""
+        token, not yet in the caches). ``draw(logits)`` (``[1, V]`` logits of
+        one position, called in position order) returns ``(token [1],
+        log_probs [1, V] or None)``; ``None`` means argmax. Must leave
+        ``cache`` as it found it."""

@@ -33,8 +33,8 @@ COMMON_KEYS = (
 )
 
 
-def _argmax(logits: mx.array) -> mx.array:
-    return mx.argmax(logits, axis=-1)
+def _argmax_draw(logits: mx.array):
+    return mx.argmax(logits, axis=-1), None
 
 
 class DeepSpecDrafter:
@@ -107,48 +107,54 @@ class DeepSpecDrafter:
         cache: list,
         anchor: mx.array,
         num_drafts: int,
-        draw: Optional[Callable[[mx.array], mx.array]] = None,
+        draw: Optional[Callable] = None,
     ) -> Proposal:
-        draw = draw or _argmax
         model = self.model
         anchor = anchor.reshape(1).astype(mx.uint32)
         block = mx.concatenate([anchor, self._masks])[None]
         hidden = model(block, cache)[:, :num_drafts]
         base_logits = model.compute_logits(hidden)
-
         head = model.markov_head
-        if head is None:
+        if head is None and draw is None:
             logits = base_logits[0]
-            tokens = draw(logits)
-            prev_embeddings = None
-        else:
-            # Sequential: position k is corrected by the token drawn at k-1.
-            state = head.initial_state(hidden)
-            prev = anchor
-            tokens, steps, embeddings = [], [], []
-            for k in range(num_drafts):
+            tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            return Proposal(tokens, logits, None, self._confidence(hidden, None))
+
+        # Position k is drawn after k-1: the Markov head corrects it with the
+        # token drawn there, and ``draw`` may depend on the drafts so far.
+        draw = draw or _argmax_draw
+        state = head.initial_state(hidden) if head is not None else None
+        prev = anchor
+        tokens, steps, log_probs, embeddings = [], [], [], []
+        for k in range(num_drafts):
+            step = base_logits[:, k]
+            if head is not None:
                 embedding = head.markov_w1(prev)
                 bias, state = head.step(embedding, hidden[:, k], state)
-                step = base_logits[:, k] + bias
-                prev = draw(step).astype(mx.uint32)
-                tokens.append(prev)
-                steps.append(step)
+                step = step + bias
                 embeddings.append(embedding)
-            tokens = mx.concatenate(tokens)
-            logits = mx.concatenate(steps)
-            prev_embeddings = mx.stack(embeddings, axis=1)
-
-        confidence = None
-        if model.confidence_head is not None:
-            features = hidden
-            if model.args.confidence_head_with_markov:
-                features = mx.concatenate(
-                    [hidden, prev_embeddings.astype(hidden.dtype)], axis=-1
-                )
-            confidence = model.confidence_head(features)[0]
+            prev, step_log_probs = draw(step)
+            prev = prev.astype(mx.uint32)
+            tokens.append(prev)
+            steps.append(step)
+            log_probs.append(step_log_probs)
+        prev_embeddings = mx.stack(embeddings, axis=1) if embeddings else None
         return Proposal(
-            tokens=tokens.astype(mx.uint32), logits=logits, confidence=confidence
+            tokens=mx.concatenate(tokens),
+            logits=mx.concatenate(steps),
+            log_probs=None if log_probs[0] is None else mx.concatenate(log_probs),
+            confidence=self._confidence(hidden, prev_embeddings),
         )
+
+    def _confidence(self, hidden, prev_embeddings):
+        if self.model.confidence_head is None:
+            return None
+        features = hidden
+        if self.model.args.confidence_head_with_markov:
+            features = mx.concatenate(
+                [hidden, prev_embeddings.astype(hidden.dtype)], axis=-1
+            )
+        return self.model.confidence_head(features)[0]
 
 
 def _invalid(path: Path, problems) -> ValueError:

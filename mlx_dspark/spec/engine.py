@@ -6,6 +6,18 @@ one forward, the longest agreeing prefix is kept plus the target's own next
 token, the target caches roll back to the kept prefix and the drafter takes in
 the target's taps of the kept positions. Between rounds the target and drafter
 caches both hold every position before the anchor.
+
+Which drafts are kept depends on the request's sampler:
+- greedy (no sampler, or temperature 0): drafts equal to the target's argmax;
+- rejection sampling, for mlx-lm samplers whose distribution is known
+  (``spec.sampling.make_sampler``): drafts are sampled from the drafter's
+  distribution under the same settings and accepted with probability
+  ``min(1, p/q)``;
+- target-sample matching, for any other sampler: drafts equal to the
+  target's own sample (mlx-lm's semantics).
+All three emit exactly the target's distribution: p is the target's, after
+the request's logits processors and sampler settings, as mlx-lm's
+``generate_step`` computes it for that position and token history.
 """
 
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
@@ -18,7 +30,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from ..cache import SlidingWindowKVCache
 from ..plugins import find_target_adapter
-from .acceptance import greedy_accept
+from .acceptance import greedy_accept, rejection_accept
 from .stats import Round, SpeculativeStats
 
 
@@ -71,17 +83,17 @@ def _split_prompt_cache(prompt_cache, target, drafter, num_draft_tokens):
     return target_cache, draft_cache
 
 
-def _check_options(sampler, logits_processors, kv_bits):
-    if sampler is not None and sampler is not greedy_sampler:
-        raise ValueError(
-            "Sampling (temperature > 0) is not supported by hidden-state drafting "
-            "yet; decode greedily (temp=0)."
-        )
-    if logits_processors:
-        raise ValueError(
-            "Logits processors (repetition penalty, logit bias, ...) are not "
-            "supported by hidden-state drafting yet."
-        )
+def acceptance_rule(sampler) -> str:
+    """``"greedy"``, ``"rejection"`` or ``"match"`` for this sampler."""
+    if sampler is None or sampler is greedy_sampler:
+        return "greedy"
+    spec = getattr(sampler, "sampling_spec", None)
+    if spec is not None and spec.reproducible:
+        return "rejection"
+    return "match"
+
+
+def _check_options(kv_bits):
     if kv_bits is not None:
         raise ValueError(
             "A quantized KV cache (kv_bits) cannot roll back rejected drafts; "
@@ -126,18 +138,19 @@ def speculative_generate_step(
     stop_tokens: Sequence[int] = (),
     stats: Optional[SpeculativeStats] = None,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
-    """Speculative decoding with a hidden-state drafter, greedy (lossless:
-    exactly the target's own greedy tokens).
+    """Speculative decoding with a hidden-state drafter, lossless.
 
     Yields ``(token, logprobs, from_draft)`` like mlx-lm's
-    ``speculative_generate_step``; ``logprobs`` are the target's
-    log-probabilities at that position. ``stop_tokens`` end a round inside
-    the accepted drafts (so no work is done past them); ``stats``, if given,
-    is filled in as rounds complete. A ``prompt_cache`` (see
-    ``make_prompt_cache``) afterwards holds the prompt and every yielded
+    ``speculative_generate_step``; ``logprobs`` are the target's processed
+    log-probabilities at that position, as mlx-lm's ``generate_step`` yields
+    them. ``sampler`` and ``logits_processors`` are mlx-lm's; the sampler
+    decides the acceptance rule (see the module docstring). ``stop_tokens``
+    end a round inside the accepted drafts (so no work is done past them);
+    ``stats``, if given, is filled in as rounds complete. A ``prompt_cache``
+    (see ``make_prompt_cache``) afterwards holds the prompt and every yielded
     token, target and drafter alike, as after mlx-lm's ``generate_step``.
     """
-    _check_options(sampler, logits_processors, kv_bits)
+    _check_options(kv_bits)
     if max_tokens == 0:
         return
     if max_tokens < -1:
@@ -157,7 +170,12 @@ def speculative_generate_step(
     target_cache, draft_cache = _split_prompt_cache(
         prompt_cache, target, drafter, num_draft_tokens
     )
-    stats = stats if stats is not None else SpeculativeStats(drafter.name, block_size)
+    rule = acceptance_rule(sampler)
+    spec = getattr(sampler, "sampling_spec", None)
+    processors = logits_processors or []
+    if stats is None:
+        stats = SpeculativeStats(drafter.name, block_size)
+    stats.acceptance_rule = rule
     stop_tokens = set(stop_tokens)
     taps = drafter.taps
     threshold = drafter.confidence_threshold
@@ -167,6 +185,63 @@ def speculative_generate_step(
         """Target forward on new tokens; the drafter takes in their taps only
         once they are final (see ``commit``)."""
         return target(tokens[None], target_cache, taps)
+
+    def processed_log_probs(logits, context):
+        """mlx-lm's ``generate_step`` for one position: the processors see
+        every token up to and including the position's input."""
+        for processor in processors:
+            logits = processor(context, logits)
+        return _log_softmax(logits)
+
+    def draw_for(context):
+        """How drafts are drawn: the drafter's logits under the request's
+        processors (given the drafts so far) and, when sampling, its sampler
+        settings. ``None``: plain argmax."""
+        if rule != "rejection" and not processors:
+            return None
+        drafted = []
+
+        def draw(logits):
+            log_probs = processed_log_probs(logits, mx.concatenate([context, *drafted]))
+            if rule == "rejection":
+                log_q = spec.log_probs(log_probs)
+                token = mx.random.categorical(log_q)
+            else:
+                log_q, token = None, mx.argmax(log_probs, axis=-1)
+            drafted.append(token.astype(mx.uint32))
+            return token, log_q
+
+        return draw
+
+    def judge(drafts, proposal, logits, context):
+        """The verified rows' processed log-probabilities, the number of
+        accepted drafts, and ``[n + 1]`` tokens to emit a prefix of."""
+        n = drafts.size
+        verified = mx.concatenate([context, drafts])
+        rows = (
+            [
+                processed_log_probs(logits[k : k + 1], verified[: context.size + k])
+                for k in range(n + 1)
+            ]
+            if processors
+            else [_log_softmax(logits)]
+        )
+        log_probs = mx.concatenate(rows)
+        if rule == "greedy":
+            tokens = mx.argmax(log_probs, axis=-1)
+        elif rule == "match":
+            # One sampler call per row, as generate_step makes them.
+            tokens = mx.concatenate(
+                [sampler(log_probs[k : k + 1]) for k in range(n + 1)]
+            )
+        else:
+            u = mx.random.uniform(shape=(n + 1,))
+            draft_log_probs = proposal.log_probs[:n]
+            accepted, tokens = rejection_accept(
+                drafts, draft_log_probs, spec.log_probs(log_probs), u
+            )
+            return log_probs, accepted, tokens
+        return log_probs, greedy_accept(drafts, tokens), tokens.astype(mx.uint32)
 
     def settle(first_position, yielded_tokens):
         """Leave the caches holding the prompt and every yielded token."""
@@ -191,20 +266,27 @@ def speculative_generate_step(
             mx.clear_cache()
         out = forward(prompt[done:])
         drafter.commit(draft_cache, out.hidden)
-        logprobs = _log_softmax(out.logits[0, -1:])
-        anchor = mx.argmax(logprobs, axis=-1)
+        log_probs = processed_log_probs(out.logits[0, -1:], prompt)
+        if rule == "greedy":
+            anchor = mx.argmax(log_probs, axis=-1)
+        else:
+            anchor = sampler(log_probs)
+        anchor = anchor.astype(mx.uint32)
         mx.eval(anchor)
         progress(total, total)
         first_position = target_cache[0].offset
+        context = mx.concatenate([prompt, anchor])
         yielded = []
 
         try:
             token = anchor.item()
             yielded.append(token)
-            yield token, logprobs[0], False
+            yield token, log_probs[0], False
             while token not in stop_tokens and len(yielded) != max_tokens:
                 start = target_cache[0].offset
-                proposal = drafter.propose(draft_cache, anchor, num_draft_tokens)
+                proposal = drafter.propose(
+                    draft_cache, anchor, num_draft_tokens, draw_for(context)
+                )
                 num_verify = num_draft_tokens
                 if threshold > 0:
                     confident = mx.sigmoid(proposal.confidence) >= threshold
@@ -214,13 +296,13 @@ def speculative_generate_step(
 
                 drafts = proposal.tokens[:num_verify]
                 out = forward(mx.concatenate([anchor.reshape(1), drafts]))
-                logprobs = _log_softmax(out.logits[0])
-                target_tokens = mx.argmax(logprobs, axis=-1)
-                accepted = greedy_accept(drafts, target_tokens)
-                mx.eval(accepted, target_tokens, proposal.tokens, proposal.confidence)
+                log_probs, accepted, tokens = judge(
+                    drafts, proposal, out.logits[0], context
+                )
+                mx.eval(accepted, tokens, proposal.tokens, proposal.confidence)
 
                 accepted = accepted.item()
-                emitted = target_tokens[: accepted + 1].tolist()
+                emitted = tokens[: accepted + 1].tolist()
                 next_token, verified = emitted[-1], num_verify
                 for i, t in enumerate(emitted[:accepted]):
                     if t in stop_tokens:
@@ -248,12 +330,13 @@ def speculative_generate_step(
                     )
                 )
 
+                context = mx.concatenate([context, tokens[: len(emitted)]])
                 for i, token in enumerate(emitted):
                     yielded.append(token)
-                    yield token, logprobs[i], i < accepted
+                    yield token, log_probs[i], i < accepted
                     if token in stop_tokens or len(yielded) == max_tokens:
                         break
-                anchor = target_tokens[accepted]
+                anchor = tokens[accepted]
         finally:
             if prompt_cache is not None:
                 settle(first_position, yielded)
