@@ -19,6 +19,7 @@ _EXPORTS = {
     "make_prompt_cache": "mlx_dspark.spec.engine",
     "speculative_generate_step": "mlx_dspark.spec.engine",
     "SpeculativeStats": "mlx_dspark.spec.stats",
+    "make_sampler": "mlx_dspark.spec.sampling",
     "Round": "mlx_dspark.spec.stats",
 }
 
@@ -31,6 +32,7 @@ __all__ = [
     "speculative_generate_step",
     "SpeculativeStats",
     "Round",
+    "make_sampler",
 ]
 
 
@@ -44,4 +46,5 @@ if TYPE_CHECKING:
     from .checkpoints import load_drafter
     from .generation import SpeculativeResponse, generate, stream_generate
     from .spec.engine import make_prompt_cache, speculative_generate_step
+    from .spec.sampling import make_sampler
     from .spec.stats import Round, SpeculativeStats

@@ -62,7 +62,7 @@ def test_generate_returns_the_same_text(tiny_pair, capsys):
         model, tokenizer, PROMPT, draft=drafter, max_tokens=25, verbose=True
     )
     assert text == mlx_lm_generate(model, tokenizer, PROMPT, max_tokens=25)
-    assert "Speculative: dspark:" in capsys.readouterr().out
+    assert "Speculative: dspark (greedy):" in capsys.readouterr().out
 
 
 def test_without_a_drafter_it_is_plain_mlx_lm(tiny_pair):

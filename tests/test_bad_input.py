@@ -5,7 +5,6 @@ import json
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 
 import mlx_dspark
 from mlx_dspark import speculative_generate_step
@@ -185,7 +184,6 @@ def test_drafter_of_another_family():
             "num_draft_tokens must be between 1 and the drafter's trained block size 4, got 5",
         ),
         (dict(kv_bits=4), "quantized KV cache"),
-        (dict(sampler=make_sampler(temp=0.7)), "Sampling"),
     ],
 )
 def test_bad_generation_options(tiny_pair, options, problem):

@@ -84,7 +84,11 @@ def test_generate_with_drafter_prints_exactly_the_plain_text(plain_text):
     result = generate("--draft-model", DSPARK)
     assert generated_text(result) == plain_text
     line = next(x for x in result.stdout.splitlines() if x.startswith("Speculative:"))
-    assert "dspark:" in line and "tau" in line and "acceptance by position" in line
+    assert (
+        "dspark (greedy):" in line
+        and "tau" in line
+        and "acceptance by position" in line
+    )
 
 
 def test_hub_ids_resolve_from_the_local_cache_offline(tmp_path, plain_text):
@@ -408,7 +412,7 @@ def test_server_lists_models_not_drafters_and_logs_statistics(servers):
     speculative, _ = servers
     ids = [m["id"] for m in speculative.get("/v1/models")["data"]]
     assert ids == [str(TARGET.resolve())]
-    assert "Speculative decoding: dspark:" in speculative.log.read_text()
+    assert "Speculative decoding: dspark (greedy):" in speculative.log.read_text()
 
 
 def test_server_refuses_a_bad_pairing_at_startup(tmp_path):
@@ -487,3 +491,35 @@ def test_patches_are_idempotent_reversible_and_version_gated(monkeypatch, capsys
     finally:
         monkeypatch.undo()
         assert patch_module(module)
+
+
+def test_generate_samples_with_rejection_reproducibly():
+    args = ("--draft-model", DSPARK, "--temp", 0.8, "--top-p", 0.95, "--seed", 4)
+    first, second = generate(*args), generate(*args)
+    assert generated_text(first) == generated_text(second)
+    assert "dspark (rejection):" in first.stdout
+
+
+def test_server_samples_with_rejection(servers):
+    speculative, _ = servers
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 30,
+        "temperature": 0.9,
+        "top_k": 20,
+        "repetition_penalty": 1.2,
+        "seed": 3,
+    }
+    first = speculative.post("/v1/completions", body)
+    again = speculative.post("/v1/completions", body)
+    assert text_of(first) == text_of(again)
+    assert first["usage"]["speculative"]["acceptance_rule"] == "rejection"
+
+
+def test_generate_logits_processor_flags_apply_with_and_without_drafter(plain_text):
+    flags = ("--repetition-penalty", 1.3, "--logit-bias", '{"376": -10}')
+    plain = generated_text(generate(*flags))
+    assert plain != plain_text and "w376" not in plain.split()
+    assert generated_text(generate(*flags, "--draft-model", DSPARK)) == plain
+    bad = generate("--logit-bias", "[1, 2]")
+    assert bad.returncode == 1 and "--logit-bias must be a JSON object" in bad.stderr

@@ -19,10 +19,14 @@ def mlx_lm_version_supported(version: str) -> bool:
 
 
 def _generate_patches(module):
+    from ..spec import sampling
     from . import cli, dispatch
 
+    sample_utils = sys.modules["mlx_lm.sample_utils"]
     return [
         (module, "load", dispatch.load_with_drafters(module.load)),
+        (module, "make_sampler", sampling.make_sampler),
+        (sample_utils, "make_sampler", sampling.make_sampler),
         (
             module,
             "speculative_generate_step",
@@ -32,17 +36,24 @@ def _generate_patches(module):
         (
             module,
             "main",
-            cli.wrap_main(module.main, "mlx_lm.generate", module.DEFAULT_MODEL),
+            cli.wrap_main(
+                module.main,
+                "mlx_lm.generate",
+                module.DEFAULT_MODEL,
+                with_processors=True,
+            ),
         ),
     ]
 
 
 def _server_patches(module):
+    from ..spec import sampling
     from . import cli, dispatch, server
 
     generator, handler = module.ResponseGenerator, module.APIHandler
     return [
         (module, "load", dispatch.load_with_drafters(module.load)),
+        (module, "make_sampler", sampling.make_sampler),
         (
             module,
             "make_prompt_cache",

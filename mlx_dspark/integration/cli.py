@@ -3,10 +3,12 @@ drafters: mlx-dspark's own flags, drafter-aware defaults, a check of the
 drafter against the target before anything runs, and one-line errors."""
 
 import argparse
+import json
 import sys
 import threading
 from typing import Callable, List, Optional, Tuple
 
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import _download, load_model
 
 from ..checkpoints import load_drafter
@@ -24,11 +26,48 @@ mlx-dspark (hidden-state speculative drafters, e.g. DeepSeek DSpark/DFlash):
   Set MLX_DSPARK_DISABLE=1 to run mlx-lm unchanged.
 """
 
+PROCESSOR_HELP = """\
+  Logits processors (mlx_lm.generate; the server takes them per request):
+  --repetition-penalty P, --repetition-context-size N (default 20),
+  --presence-penalty P, --frequency-penalty P, --logit-bias '{"id": bias, ...}'
+"""
 
-def _parser() -> argparse.ArgumentParser:
+# The logits processors mlx_lm.generate's flags ask for (mlx-lm's own CLI
+# has no such flags; the server takes them per request).
+generation_options = {}
+
+
+def _parser(with_processors: bool) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--draft-confidence-threshold", type=float, default=0.0)
+    if with_processors:
+        parser.add_argument("--repetition-penalty", type=float)
+        parser.add_argument("--repetition-context-size", type=int, default=20)
+        parser.add_argument("--presence-penalty", type=float)
+        parser.add_argument("--frequency-penalty", type=float)
+        parser.add_argument("--logit-bias", type=json.loads)
     return parser
+
+
+def _set_processors(ours: argparse.Namespace) -> None:
+    generation_options.clear()
+    bias = ours.logit_bias
+    if bias is not None:
+        try:
+            bias = {int(k): float(v) for k, v in bias.items()}
+        except (AttributeError, ValueError):
+            raise ValueError(
+                "--logit-bias must be a JSON object of token ids to biases, e.g. '{\"42\": -5}'."
+            ) from None
+    processors = make_logits_processors(
+        logit_bias=bias,
+        repetition_penalty=ours.repetition_penalty,
+        repetition_context_size=ours.repetition_context_size,
+        presence_penalty=ours.presence_penalty,
+        frequency_penalty=ours.frequency_penalty,
+    )
+    if processors:
+        generation_options["logits_processors"] = processors
 
 
 def _probe(argv: List[str]) -> argparse.Namespace:
@@ -39,12 +78,16 @@ def _probe(argv: List[str]) -> argparse.Namespace:
     return probe.parse_known_args(argv)[0]
 
 
-def prepare(argv: List[str]) -> Tuple[List[str], Optional[dict]]:
+def prepare(
+    argv: List[str], with_processors: bool = False
+) -> Tuple[List[str], Optional[dict]]:
     """Take mlx-dspark's flags out of ``argv`` and default
     ``--num-draft-tokens`` to a hidden-state drafter's block size. Returns the
     arguments for mlx-lm and the drafter's config (``None`` for no drafter or
     an ordinary draft model)."""
-    ours, rest = _parser().parse_known_args(argv)
+    ours, rest = _parser(with_processors).parse_known_args(argv)
+    if with_processors:
+        _set_processors(ours)
     args = _probe(rest)
     config = None
     if args.draft_model is not None:
@@ -85,16 +128,21 @@ def _fail(prog: str, error: Exception):
     sys.exit(1)
 
 
-def wrap_main(original: Callable, prog: str, default_model: Optional[str] = None):
+def wrap_main(
+    original: Callable,
+    prog: str,
+    default_model: Optional[str] = None,
+    with_processors: bool = False,
+):
     """An mlx-lm ``main`` that understands hidden-state drafters."""
 
     def main():
         argv = sys.argv[1:]
         if "-h" in argv or "--help" in argv:
-            print(HELP)
+            print(HELP + (PROCESSOR_HELP if with_processors else ""))
             return original()
         try:
-            argv, config = prepare(argv)
+            argv, config = prepare(argv, with_processors)
             if config is not None:
                 args = _probe(argv)
                 preflight(args.model or default_model, args.draft_model)
@@ -113,9 +161,14 @@ def wrap_main(original: Callable, prog: str, default_model: Optional[str] = None
 
 def verbose_stats(original: Callable) -> Callable:
     """``mlx_lm.generate.generate`` that, when verbose, also prints the
-    speculative statistics."""
+    speculative statistics, and applies the logits processors the command
+    line asked for."""
 
     def generate(*args, verbose: bool = False, **kwargs):
+        if "logits_processors" in generation_options:
+            kwargs.setdefault(
+                "logits_processors", generation_options["logits_processors"]
+            )
         local.slot = StatsSlot()
         try:
             text = original(*args, verbose=verbose, **kwargs)

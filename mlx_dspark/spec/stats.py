@@ -91,7 +91,8 @@ class SpeculativeStats:
             "-" if r is None else f"{r:.2f}" for r in self.acceptance_by_position
         )
         return (
-            f"{self.drafter}: {self.rounds} rounds, {self.accepted}/{self.drafted} "
+            f"{self.drafter} ({self.acceptance_rule}): {self.rounds} rounds, "
+            f"{self.accepted}/{self.drafted} "
             f"drafts accepted, tau {self.tau:.2f} tokens/round, "
             f"acceptance by position [{by_position}]"
         )
