@@ -177,11 +177,11 @@ def test_drafter_of_another_family():
     [
         (
             dict(num_draft_tokens=0),
-            "num_draft_tokens must be between 1 and the drafter's trained block size 4, got 0",
+            r"num_draft_tokens must be between 1 and 4 for this drafter \(its trained block size is 4\), got 0",
         ),
         (
             dict(num_draft_tokens=5),
-            "num_draft_tokens must be between 1 and the drafter's trained block size 4, got 5",
+            r"num_draft_tokens must be between 1 and 4 for this drafter \(its trained block size is 4\), got 5",
         ),
         (dict(kv_bits=4), "quantized KV cache"),
     ],

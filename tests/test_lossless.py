@@ -184,7 +184,7 @@ class ScriptedDrafter:
     def __init__(self, continuation, corruptions, block_size):
         self.continuation = continuation
         self.corruptions = corruptions
-        self.block_size = block_size
+        self.block_size = self.max_draft_tokens = block_size
         self.round = 0
 
     def check_target(self, target):
@@ -196,7 +196,7 @@ class ScriptedDrafter:
     def commit(self, cache, hidden):
         cache[0].offset += hidden[0].shape[1]
 
-    def propose(self, cache, anchor, num_drafts, draw=None):
+    def propose(self, cache, anchor, num_drafts, draw=None, target_cache=None):
         position = cache[0].offset + 1 - self.prompt_length
         drafts = list(self.continuation[position : position + num_drafts])
         drafts += [0] * (num_drafts - len(drafts))

@@ -42,7 +42,7 @@ class RepeatDrafter:
     confidence_threshold = 0.0
 
     def __init__(self, block_size):
-        self.block_size = block_size
+        self.block_size = self.max_draft_tokens = block_size
 
     def check_target(self, target):
         pass
@@ -53,7 +53,7 @@ class RepeatDrafter:
     def commit(self, cache, hidden):
         cache[0].offset += hidden[0].shape[1]
 
-    def propose(self, cache, anchor, num_drafts, draw=None):
+    def propose(self, cache, anchor, num_drafts, draw=None, target_cache=None):
         return Proposal(tokens=mx.repeat(anchor.reshape(1), num_drafts).astype(mx.uint32))
 
 

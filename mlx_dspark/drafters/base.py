@@ -37,8 +37,9 @@ class Drafter(Protocol):
     """
 
     name: str
-    block_size: int
-    taps: Sequence[int]
+    block_size: int  # drafts per round by default
+    max_draft_tokens: int  # the most drafts per round it accepts
+    taps: Sequence  # target taps it consumes (see targets.base.TargetOutput)
     confidence_threshold: float
 
     def check_target(self, target) -> None:
@@ -58,9 +59,12 @@ class Drafter(Protocol):
         anchor: mx.array,
         num_drafts: int,
         draw: Optional[Callable] = None,
+        target_cache: Optional[list] = None,
     ) -> Proposal:
-        """Draft ``num_drafts`` tokens after ``anchor`` (the last emitted
-        token, not yet in the caches). ``draw(logits)`` (``[1, V]`` logits of
-        one position, called in position order) returns ``(token [1],
-        log_probs [1, V] or None)``; ``None`` means argmax. Must leave
-        ``cache`` as it found it."""
+        """Draft ``num_drafts`` (>= 1) tokens after ``anchor`` (the last
+        emitted token, not yet in the caches). ``draw(logits)`` (``[1, V]``
+        logits of one position, called in position order) returns ``(token
+        [1], log_probs [1, V] or None)``; ``None`` means argmax.
+        ``target_cache`` is the target's, to read and never to write (a
+        drafter that borrows the target's K/V). Must leave ``cache`` as it
+        found it."""

@@ -66,7 +66,7 @@ class DeepSpecDrafter:
         args = model.args
         heads = model.markov_head is not None or model.confidence_head is not None
         self.name = "dspark" if heads else "dflash"
-        self.block_size = args.block_size
+        self.block_size = self.max_draft_tokens = args.block_size
         self.taps = tuple(args.target_layer_ids)
         self.confidence_threshold = confidence_threshold
         self._masks = mx.full((args.block_size - 1,), args.mask_token_id, mx.uint32)
@@ -108,6 +108,7 @@ class DeepSpecDrafter:
         anchor: mx.array,
         num_drafts: int,
         draw: Optional[Callable] = None,
+        target_cache: Optional[list] = None,
     ) -> Proposal:
         model = self.model
         anchor = anchor.reshape(1).astype(mx.uint32)

@@ -29,6 +29,7 @@ from mlx_lm.models.cache import RotatingKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..cache import SlidingWindowKVCache
+from ..drafters.base import Proposal
 from ..plugins import find_target_adapter
 from .acceptance import greedy_accept, rejection_accept
 from .stats import Round, SpeculativeStats
@@ -160,10 +161,11 @@ def speculative_generate_step(
     block_size = drafter.block_size
     if num_draft_tokens is None:
         num_draft_tokens = block_size
-    if not 1 <= num_draft_tokens <= block_size:
+    if not 1 <= num_draft_tokens <= drafter.max_draft_tokens:
         raise ValueError(
-            f"num_draft_tokens must be between 1 and the drafter's trained "
-            f"block size {block_size}, got {num_draft_tokens}."
+            f"num_draft_tokens must be between 1 and {drafter.max_draft_tokens} "
+            f"for this drafter (its trained block size is {block_size}), got "
+            f"{num_draft_tokens}."
         )
     target = adapt_target(model, drafter)
     prompt = _check_prompt(prompt, target.vocab_size)
@@ -284,11 +286,23 @@ def speculative_generate_step(
             yield token, log_probs[0], False
             while token not in stop_tokens and len(yielded) != max_tokens:
                 start = target_cache[0].offset
-                proposal = drafter.propose(
-                    draft_cache, anchor, num_draft_tokens, draw_for(context)
-                )
-                num_verify = num_draft_tokens
-                if threshold > 0:
+                # No drafts past what can still be emitted (the round's own
+                # target token is one of them).
+                num_drafts = num_draft_tokens
+                if max_tokens > 0:
+                    num_drafts = min(num_drafts, max_tokens - len(yielded) - 1)
+                if num_drafts == 0:
+                    proposal = Proposal(tokens=mx.array([], mx.uint32))
+                else:
+                    proposal = drafter.propose(
+                        draft_cache,
+                        anchor,
+                        num_drafts,
+                        draw_for(context),
+                        target_cache=target_cache,
+                    )
+                num_verify = num_drafts
+                if threshold > 0 and num_drafts:
                     confident = mx.sigmoid(proposal.confidence) >= threshold
                     num_verify = int(
                         mx.cumprod(confident.astype(mx.int32)).sum().item()

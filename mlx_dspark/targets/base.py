@@ -1,10 +1,16 @@
 """What the engine needs from a target model."""
 
 from dataclasses import dataclass
-from typing import List, Protocol, Sequence
+from typing import List, Protocol, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+
+
+# Special taps: the scaled embedding that enters layer 0, and the final-normed
+# hidden state that the LM head reads.
+EMBEDDING = -1
+FINAL = "final"
 
 
 @dataclass
@@ -16,8 +22,9 @@ class TargetOutput:
         hidden: The requested taps, in request order, each ``[1, L, d]``.
             Tap ``i >= 0`` is the raw output of decoder layer ``i`` (the
             residual stream after the layer, before the final norm; DeepSpec's
-            ``hidden_states[i + 1]``); tap ``-1`` is the scaled embedding that
-            enters layer 0.
+            ``hidden_states[i + 1]``); tap ``EMBEDDING`` (-1) is the embedding
+            that enters layer 0; tap ``FINAL`` is the final-normed hidden
+            state the LM head reads.
     """
 
     logits: mx.array
@@ -39,6 +46,6 @@ class Target(Protocol):
         context length (the engine trims them with ``trim``)."""
 
     def __call__(
-        self, inputs: mx.array, cache: list, taps: Sequence[int] = ()
+        self, inputs: mx.array, cache: list, taps: Sequence[Union[int, str]] = ()
     ) -> TargetOutput:
         """Forward ``inputs`` (``[1, L]``) through the model, updating ``cache``."""

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..cache import SlidingWindowKVCache
 from ..plugins import TargetAdapter, hookimpl
-from .base import TargetOutput
+from .base import EMBEDDING, FINAL, TargetOutput
 
 
 def supports(model) -> bool:
@@ -31,6 +31,23 @@ class Gemma4Target:
         self.hidden_size = args.hidden_size
         self.vocab_size = args.vocab_size
         self.sliding_window = args.sliding_window
+
+    @property
+    def args(self):
+        """The text model's ``ModelArgs``."""
+        return self.text.args
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """Scaled input embeddings, as the first layer receives them."""
+        body = self.text.model
+        return body.embed_tokens(tokens) * body.embed_scale
+
+    def kv_donors(self) -> dict:
+        """For each layer type, the last layer that owns a K/V cache (the
+        layers after it share it); its index is also its cache's index."""
+        args = self.text.args
+        owners = range(args.num_hidden_layers - args.num_kv_shared_layers)
+        return {args.layer_types[i]: i for i in owners}
 
     def make_cache(self, max_rollback: int) -> list:
         args = self.text.args
@@ -63,7 +80,7 @@ class Gemma4Target:
 
         cache = cache + [None] * (len(body.layers) - len(cache))
         masks = body._make_masks(h, cache)
-        captured = {-1: h} if -1 in taps else {}
+        captured = {EMBEDDING: h} if EMBEDDING in taps else {}
         intermediates = [(None, None)] * len(body.layers)
         for idx, (layer, c, mask, prev_idx, per_layer_input) in enumerate(
             zip(body.layers, cache, masks, body.previous_kvs, per_layer_inputs)
@@ -82,6 +99,7 @@ class Gemma4Target:
                 captured[idx] = h
 
         out = body.norm(h)
+        captured[FINAL] = out
         if lm.tie_word_embeddings:
             logits = body.embed_tokens.as_linear(out)
         else:

@@ -8,7 +8,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ..plugins import TargetAdapter, hookimpl
-from .base import TargetOutput
+from .base import EMBEDDING, FINAL, TargetOutput
 
 
 def supports(model) -> bool:
@@ -39,13 +39,14 @@ class Qwen3Target:
         # layer outputs (tap -1 is the unscaled embedding).
         body = self.model.model
         h = body.embed_tokens(inputs)
-        captured = {-1: h} if -1 in taps else {}
+        captured = {EMBEDDING: h} if EMBEDDING in taps else {}
         mask = create_attention_mask(h, cache[0])
         for idx, (layer, c) in enumerate(zip(body.layers, cache)):
             h = layer(h, mask, c)
             if idx in taps:
                 captured[idx] = h
         out = body.norm(h)
+        captured[FINAL] = out
         if self.model.args.tie_word_embeddings:
             logits = body.embed_tokens.as_linear(out)
         else:

@@ -1,0 +1,483 @@
+"""Google's Gemma-4 assistant drafters (``gemma4_assistant`` and
+``gemma4_unified_assistant``): multi-token prediction that borrows the
+target's K/V.
+
+A 4-layer Gemma-4 stack whose layers have only query projections. Each draft
+step embeds the last token with the *target's* embedding, concatenates a
+hidden state (the target's final-normed hidden at the position that predicted
+that token, then the drafter's own ``post_projection`` output), projects it to
+the assistant's width, and attends - at the fixed position of the anchor - to
+the K/V of the target's last sliding and last full layer that own a cache. It
+drafts greedily in transformers; here it may also sample. It writes nothing:
+its state is the seed hidden and which K/V entries it may look at.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import BaseModelArgs
+from mlx_lm.models.cache import _BaseCache
+from mlx_lm.models.gemma4_text import geglu
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..cache import SlidingWindowKVCache
+from ..checkpoints import load_network, require_keys
+from ..plugins import DrafterKind, hookimpl
+from ..targets.base import FINAL
+from .base import Proposal
+
+ARCHITECTURES = ("Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM")
+MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
+
+# Drafts per round when the checkpoint has no generation_config.json with
+# num_assistant_tokens (the released checkpoints say 6).
+DEFAULT_NUM_ASSISTANT_TOKENS = 6
+# The most drafts per round accepted: the assistant has no trained block.
+MAX_DRAFT_TOKENS = 32
+
+KV_VIEWS = ("transformers", "clean")
+
+
+@dataclass
+class TextArgs(BaseModelArgs):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    global_head_dim: int
+    num_key_value_heads: int
+    layer_types: List[str]
+    sliding_window: int
+    rope_parameters: Dict
+    vocab_size: int
+    num_global_key_value_heads: Optional[int] = None
+    attention_k_eq_v: bool = False
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 131072
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    backbone_hidden_size: int
+    text_config: dict
+    use_ordered_embeddings: bool = False
+    num_centroids: int = 2048
+    centroid_intermediate_top_k: int = 32
+    text: TextArgs = field(init=False)
+
+    def __post_init__(self):
+        self.text = TextArgs.from_dict(self.text_config)
+
+
+class Attention(nn.Module):
+    """Queries only: keys and values are the target's."""
+
+    def __init__(self, args: TextArgs, layer_type: str):
+        super().__init__()
+        full = layer_type == "full_attention"
+        self.n_heads = args.num_attention_heads
+        self.head_dim = args.global_head_dim if full else args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
+        rope = args.rope_parameters[layer_type]
+        self.rope = initialize_rope(
+            dims=self.head_dim,
+            base=rope["rope_theta"],
+            traditional=False,
+            scaling_config=rope,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+
+    def __call__(self, x: mx.array, kv, position: int) -> mx.array:
+        B, L, _ = x.shape
+        keys, values, mask = kv
+        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+        queries = self.rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=position)
+        output = mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=1.0, mask=mask
+        )
+        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: TextArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: TextArgs, layer_type: str):
+        super().__init__()
+        eps = args.rms_norm_eps
+        self.layer_type = layer_type
+        self.self_attn = Attention(args, layer_type)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
+        self.pre_feedforward_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
+        self.post_feedforward_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
+        self.layer_scalar = mx.ones((1,))
+
+    def __call__(self, x: mx.array, kv, position: int) -> mx.array:
+        h = self.self_attn(self.input_layernorm(x), kv, position)
+        h = x + self.post_attention_layernorm(h)
+        r = self.mlp(self.pre_feedforward_layernorm(h))
+        h = h + self.post_feedforward_layernorm(r)
+        return h * self.layer_scalar
+
+
+class TextModel(nn.Module):
+    def __init__(self, args: TextArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class MaskedEmbedder(nn.Module):
+    """The centroid-routed LM head of E2B/E4B: only the tokens of the top-k
+    centroids are scored; every other token gets the lowest score minus one."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.centroid_intermediate_top_k
+        self.num_centroids = args.num_centroids
+        self.centroids = nn.Linear(args.text.hidden_size, args.num_centroids, bias=False)
+        self.token_ordering = mx.zeros((args.text.vocab_size,), mx.int32)
+
+    def __call__(self, z: mx.array, embed_tokens: nn.Embedding) -> mx.array:
+        scores = self.centroids(z).reshape(-1)
+        top = mx.argpartition(-scores, self.top_k - 1)[: self.top_k]
+        ids = self.token_ordering.reshape(self.num_centroids, -1)[top].reshape(-1)
+        selected = embed_tokens(ids) @ z.reshape(-1)
+        logits = mx.full((self.token_ordering.size,), selected.min() - 1, selected.dtype)
+        logits[ids] = selected
+        return logits[None]
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = TextModel(args.text)
+        width = args.text.hidden_size
+        self.pre_projection = nn.Linear(2 * args.backbone_hidden_size, width, bias=False)
+        self.post_projection = nn.Linear(width, args.backbone_hidden_size, bias=False)
+        if args.use_ordered_embeddings:
+            self.masked_embedding = MaskedEmbedder(args)
+
+    def __call__(self, inputs_embeds: mx.array, kv: dict, position: int):
+        """One draft step: ``[1, 1, 2 * backbone]`` inputs -> (logits ``[1, V]``,
+        the next step's hidden ``[1, 1, backbone]``)."""
+        x = self.pre_projection(inputs_embeds)
+        for layer in self.model.layers:
+            x = layer(x, kv[layer.layer_type], position)
+        z = self.model.norm(x)
+        if self.args.use_ordered_embeddings:
+            logits = self.masked_embedding(z, self.model.embed_tokens)
+        else:
+            logits = self.model.embed_tokens.as_linear(z)[0]
+        return logits, self.post_projection(z)
+
+    def sanitize(self, weights: dict) -> dict:
+        weights.pop("lm_head.weight", None)  # tied to model.embed_tokens
+        if "masked_embedding.token_ordering" in weights:
+            ordering = weights["masked_embedding.token_ordering"]
+            weights["masked_embedding.token_ordering"] = ordering.astype(mx.int32)
+        return weights
+
+
+class AssistantState(_BaseCache):
+    """The assistant's part of a prompt cache: how many positions it has
+    seen (in step with the target's caches), the hidden state that seeds the
+    next round, and the last target forward it saw (which K/V entries
+    transformers' view would hand the next round)."""
+
+    def __init__(self):
+        self.offset = 0
+        self.seed = None
+        self.pass_start = None  # the verify forward proposed for, if any
+        self.pass_length = None
+        self.view = None  # (full_end, sliding_start, sliding_end)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        if n:
+            # The seed and view of an earlier position are gone; the next
+            # commit (every generation starts with one) sets them again.
+            self.seed, self.view = None, None
+        self.pass_start = self.pass_length = None
+        return n
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.seed is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.seed is None else self.seed.nbytes
+
+    @property
+    def state(self):
+        return (self.seed,)
+
+    @state.setter
+    def state(self, v):
+        (self.seed,) = v
+
+
+class AssistantDrafter:
+    """A loaded Gemma-4 assistant (see ``mlx_dspark.drafters.base.Drafter``).
+
+    Args:
+        kv_view: ``"transformers"`` (default) hands each round the K/V entries
+            transformers' ``SinglePositionMultiTokenCandidateGenerator`` hands
+            its drafter, stale entries of the previous round's rejected drafts
+            included, so that drafts match transformers round for round.
+            ``"clean"`` hands only accepted positions: the target's own
+            sliding window at the anchor, and every earlier position for the
+            full layer.
+    """
+
+    name = "assistant"
+    taps = (FINAL,)
+    confidence_threshold = 0.0
+    max_draft_tokens = MAX_DRAFT_TOKENS
+
+    def __init__(self, model: Model, path: Path, block_size: int, kv_view: str):
+        if kv_view not in KV_VIEWS:
+            raise ValueError(f"kv_view must be one of {', '.join(KV_VIEWS)}, got {kv_view!r}.")
+        self.model = model
+        self.path = path
+        self.block_size = block_size
+        self.kv_view = kv_view
+        self._target = None
+
+    def __repr__(self) -> str:
+        return f"<assistant drafter, {self.block_size} drafts per round, from {self.path}>"
+
+    def check_target(self, target) -> None:
+        if target.family != "gemma4":
+            raise ValueError(
+                f"The assistant drafter {self.path} drafts for Gemma-4 targets, not "
+                f"{target.family} ({target.model_type})."
+            )
+        ours, theirs = self.model.args.text, target.args
+        donors = target.kv_donors()
+        problems = []
+        for kind in ("sliding_attention", "full_attention"):
+            if kind not in donors:
+                problems.append(f"the target has no {kind} layer that owns its K/V")
+        full_kv_heads = (
+            theirs.num_global_key_value_heads
+            if theirs.attention_k_eq_v and theirs.num_global_key_value_heads
+            else theirs.num_key_value_heads
+        )
+        our_full_kv_heads = (
+            ours.num_global_key_value_heads
+            if ours.attention_k_eq_v and ours.num_global_key_value_heads
+            else ours.num_key_value_heads
+        )
+        for what, want, have in (
+            ("hidden size (backbone_hidden_size)", self.model.args.backbone_hidden_size, theirs.hidden_size),
+            ("vocabulary size", ours.vocab_size, theirs.vocab_size),
+            ("sliding-layer head dim", ours.head_dim, theirs.head_dim),
+            ("sliding-layer KV heads", ours.num_key_value_heads, theirs.num_key_value_heads),
+            ("full-layer head dim", ours.global_head_dim, theirs.global_head_dim),
+            ("full-layer KV heads", our_full_kv_heads, full_kv_heads),
+            ("attention_k_eq_v", ours.attention_k_eq_v, theirs.attention_k_eq_v),
+            ("sliding window", ours.sliding_window, theirs.sliding_window),
+        ):
+            if want != have:
+                problems.append(f"it expects {what} {want}, the target has {have}")
+        if problems:
+            raise ValueError(
+                f"The assistant drafter {self.path} was not made for this target: "
+                + "; ".join(problems)
+                + ". Use the assistant released for your target model."
+            )
+        self._target = target
+
+    def make_cache(self) -> list:
+        return [AssistantState()]
+
+    def commit(self, cache: list, hidden: List[mx.array]) -> None:
+        state = cache[0]
+        length = hidden[0].shape[1]
+        state.seed = hidden[0][:, -1:]
+        state.offset += length
+        anchor = state.offset  # the next anchor's position: P - 1 in transformers
+        window = self.model.args.text.sliding_window
+        if self.kv_view == "clean":
+            state.view = (anchor, max(0, anchor - window + 1), anchor)
+        elif state.pass_start is None:
+            # After the prompt, transformers' sliding donor returned every
+            # prompt entry: the view is the last W + 1 of them.
+            state.view = (anchor, max(0, anchor - window - 1), anchor)
+        else:
+            # transformers slices the previous forward's returned K/V by
+            # index to P entries: the sliding donor returned its cached
+            # entries (at most W - 1) followed by the forward's own.
+            start, length = state.pass_start, state.pass_length
+            cached = min(start, window - 1)
+            kept = min(cached + length, anchor + 1)
+            sliding_end = start - cached + kept
+            state.view = (
+                min(anchor + 1, start + length),
+                max(start - cached, sliding_end - window - 1),
+                sliding_end,
+            )
+        state.pass_start = state.pass_length = None
+
+    def _kv(self, state: AssistantState, target_cache: list) -> dict:
+        full_end, sliding_start, sliding_end = state.view
+        donors = self._target.kv_donors()
+        full = target_cache[donors["full_attention"]]
+        sliding = target_cache[donors["sliding_attention"]]
+        if not isinstance(sliding, SlidingWindowKVCache):
+            raise ValueError(
+                "The assistant reads the target's sliding-window cache by position; "
+                "make the prompt cache with mlx_dspark.make_prompt_cache(model, drafter)."
+            )
+        visible = (sliding.positions >= sliding_start) & (sliding.positions < sliding_end)
+        return {
+            "full_attention": (
+                full.keys[..., :full_end, :],
+                full.values[..., :full_end, :],
+                None,
+            ),
+            "sliding_attention": (sliding.keys, sliding.values, visible[None]),
+        }
+
+    def propose(
+        self,
+        cache: list,
+        anchor: mx.array,
+        num_drafts: int,
+        draw: Optional[Callable] = None,
+        target_cache: Optional[list] = None,
+    ) -> Proposal:
+        state = cache[0]
+        if state.seed is None or self._target is None:
+            raise ValueError("The assistant has no target state to draft from.")
+        kv = self._kv(state, target_cache)
+        position = state.offset
+        state.pass_start, state.pass_length = position, num_drafts + 1
+        token, hidden = anchor.reshape(1, 1).astype(mx.uint32), state.seed
+        tokens, logits, log_probs = [], [], []
+        for _ in range(num_drafts):
+            inputs = mx.concatenate([self._target.embed(token), hidden], axis=-1)
+            step, hidden = self.model(inputs, kv, position)
+            if draw is None:
+                token, step_log_probs = mx.argmax(step, axis=-1), None
+            else:
+                token, step_log_probs = draw(step)
+            token = token.reshape(1, 1).astype(mx.uint32)
+            tokens.append(token.reshape(1))
+            logits.append(step)
+            log_probs.append(step_log_probs)
+        return Proposal(
+            tokens=mx.concatenate(tokens),
+            logits=mx.concatenate(logits),
+            log_probs=None if log_probs[0] is None else mx.concatenate(log_probs),
+        )
+
+
+TEXT_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "head_dim",
+    "global_head_dim",
+    "num_key_value_heads",
+    "layer_types",
+    "sliding_window",
+    "rope_parameters",
+    "vocab_size",
+)
+
+
+def validate_config(config: dict, path: Path) -> None:
+    require_keys(config, ("backbone_hidden_size", "text_config"), path)
+    text = config["text_config"]
+    missing = [k for k in TEXT_KEYS if text.get(k) is None]
+    if missing:
+        raise ValueError(
+            f"{path}/config.json: text_config lacks {', '.join(missing)}. (transformers "
+            ">= 5.24 writes global_head_dim and num_global_key_value_heads only under "
+            "per_layer_config; add them back as top-level text_config keys.)"
+        )
+    problems = []
+    types = text["layer_types"]
+    if len(types) != text["num_hidden_layers"] or set(types) - {
+        "sliding_attention",
+        "full_attention",
+    }:
+        problems.append(f"layer_types {types} do not describe {text['num_hidden_layers']} layers")
+    for kind in set(types):
+        if "rope_theta" not in (text["rope_parameters"].get(kind) or {}):
+            problems.append(f"rope_parameters has no rope_theta for {kind}")
+    if config.get("use_ordered_embeddings"):
+        centroids = config.get("num_centroids") or 0
+        if centroids <= 0 or text["vocab_size"] % centroids:
+            problems.append(
+                f"num_centroids {centroids} must divide the vocabulary ({text['vocab_size']})"
+            )
+    if problems:
+        raise ValueError(f"{path}/config.json is not a valid assistant config: " + "; ".join(problems) + ".")
+
+
+def block_size_of(path: Path) -> int:
+    """``num_assistant_tokens`` from the checkpoint's generation_config.json."""
+    file = path / "generation_config.json"
+    if not file.exists():
+        return DEFAULT_NUM_ASSISTANT_TOKENS
+    try:
+        tokens = json.loads(file.read_text()).get("num_assistant_tokens")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e}).") from None
+    if tokens is None:
+        return DEFAULT_NUM_ASSISTANT_TOKENS
+    if not isinstance(tokens, int) or not 1 <= tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(
+            f"{file}: num_assistant_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {tokens!r}."
+        )
+    return tokens
+
+
+def load(path: Path, config: dict, kv_view: str = "transformers", dtype=None, lazy=False):
+    validate_config(config, path)
+    model = load_network(path, Model, ModelArgs, dtype, lazy)
+    return AssistantDrafter(model, path, block_size_of(path), kv_view)
+
+
+def detect(config: dict) -> bool:
+    return (config.get("architectures") or [None])[0] in ARCHITECTURES or config.get(
+        "model_type"
+    ) in MODEL_TYPES
+
+
+KIND = DrafterKind(name="gemma4-assistant", architectures=ARCHITECTURES, detect=detect, load=load)
+
+
+@hookimpl
+def mlx_dspark_drafter_kinds():
+    return [KIND]
