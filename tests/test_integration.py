@@ -224,7 +224,7 @@ def corrupt_drafter(tmp_path):
         ("untappable", "not supported for hidden-state drafting"),
         (
             "too-many-drafts",
-            "--num-draft-tokens must be between 1 and the drafter's trained block size 4, got 5",
+            "--num-draft-tokens must be between 1 and 4 for this drafter (its trained block size is 4), got 5",
         ),
     ],
 )
@@ -262,14 +262,14 @@ def free_port():
 
 
 class Server:
-    def __init__(self, tmp_path, *args):
+    def __init__(self, tmp_path, *args, model=TARGET):
         self.port = free_port()
         self.log = tmp_path / f"server-{self.port}.log"
         self.process = subprocess.Popen(
             [
                 str(BIN / "mlx_lm.server"),
                 "--model",
-                str(TARGET),
+                str(model),
                 "--port",
                 str(self.port),
                 *map(str, args),
@@ -523,3 +523,49 @@ def test_generate_logits_processor_flags_apply_with_and_without_drafter(plain_te
     assert generated_text(generate(*flags, "--draft-model", DSPARK)) == plain
     bad = generate("--logit-bias", "[1, 2]")
     assert bad.returncode == 1 and "--logit-bias must be a JSON object" in bad.stderr
+
+
+ASSISTANT = FIXTURES / "assistant-tiny" / "dense"
+
+
+@pytest.mark.parametrize("view", ["transformers", "clean"])
+def test_generate_with_the_gemma4_assistant(view):
+    args = (
+        "--model",
+        ASSISTANT / "target",
+        "--prompt",
+        "w5 w6 w7",
+        "--max-tokens",
+        40,
+        "--ignore-chat-template",
+    )
+    plain = generated_text(cli("mlx_lm.generate", *args))
+    ours = cli(
+        "mlx_lm.generate",
+        *args,
+        "--draft-model",
+        ASSISTANT / "assistant",
+        "--draft-kv-view",
+        view,
+    )
+    assert generated_text(ours) == plain
+    assert "Speculative: assistant (greedy):" in ours.stdout
+
+
+def test_server_with_the_gemma4_assistant(tmp_path):
+    from mlx_lm import generate as mlx_lm_generate
+    from mlx_lm import load
+
+    model, tokenizer = load(str(ASSISTANT / "target"))
+    expected = mlx_lm_generate(model, tokenizer, "w5 w6 w7", max_tokens=40)
+    server = Server(
+        tmp_path, "--draft-model", ASSISTANT / "assistant", model=ASSISTANT / "target"
+    )
+    try:
+        response = server.post(
+            "/v1/completions", {"prompt": "w5 w6 w7", "max_tokens": 40}
+        )
+        assert text_of(response) == expected
+        assert response["usage"]["speculative"]["drafter"] == "assistant"
+    finally:
+        server.stop()

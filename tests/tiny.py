@@ -46,11 +46,12 @@ def gemma4_text_args(
     per_layer_input=0,
     kv_shared=0,
     layer_types=None,
+    **overrides,
 ):
     layer_types = (
         layer_types or (["sliding_attention", "full_attention"] * layers)[:layers]
     )
-    return dict(
+    args = dict(
         model_type="gemma4_text",
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -72,6 +73,8 @@ def gemma4_text_args(
         final_logit_softcapping=30.0,
         tie_word_embeddings=True,
     )
+    args.update(overrides)
+    return args
 
 
 def tiny_gemma4(seed=0, wrapper=False, **kwargs):

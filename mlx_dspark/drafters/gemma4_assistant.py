@@ -82,9 +82,13 @@ class Attention(nn.Module):
         full = layer_type == "full_attention"
         self.n_heads = args.num_attention_heads
         self.head_dim = args.global_head_dim if full else args.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(
+            args.hidden_size, self.n_heads * self.head_dim, bias=False
+        )
         self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
+        self.o_proj = nn.Linear(
+            self.n_heads * self.head_dim, args.hidden_size, bias=False
+        )
         rope = args.rope_parameters[layer_type]
         self.rope = initialize_rope(
             dims=self.head_dim,
@@ -153,7 +157,9 @@ class MaskedEmbedder(nn.Module):
         super().__init__()
         self.top_k = args.centroid_intermediate_top_k
         self.num_centroids = args.num_centroids
-        self.centroids = nn.Linear(args.text.hidden_size, args.num_centroids, bias=False)
+        self.centroids = nn.Linear(
+            args.text.hidden_size, args.num_centroids, bias=False
+        )
         self.token_ordering = mx.zeros((args.text.vocab_size,), mx.int32)
 
     def __call__(self, z: mx.array, embed_tokens: nn.Embedding) -> mx.array:
@@ -161,7 +167,9 @@ class MaskedEmbedder(nn.Module):
         top = mx.argpartition(-scores, self.top_k - 1)[: self.top_k]
         ids = self.token_ordering.reshape(self.num_centroids, -1)[top].reshape(-1)
         selected = embed_tokens(ids) @ z.reshape(-1)
-        logits = mx.full((self.token_ordering.size,), selected.min() - 1, selected.dtype)
+        logits = mx.full(
+            (self.token_ordering.size,), selected.min() - 1, selected.dtype
+        )
         logits[ids] = selected
         return logits[None]
 
@@ -172,7 +180,9 @@ class Model(nn.Module):
         self.args = args
         self.model = TextModel(args.text)
         width = args.text.hidden_size
-        self.pre_projection = nn.Linear(2 * args.backbone_hidden_size, width, bias=False)
+        self.pre_projection = nn.Linear(
+            2 * args.backbone_hidden_size, width, bias=False
+        )
         self.post_projection = nn.Linear(width, args.backbone_hidden_size, bias=False)
         if args.use_ordered_embeddings:
             self.masked_embedding = MaskedEmbedder(args)
@@ -263,7 +273,9 @@ class AssistantDrafter:
 
     def __init__(self, model: Model, path: Path, block_size: int, kv_view: str):
         if kv_view not in KV_VIEWS:
-            raise ValueError(f"kv_view must be one of {', '.join(KV_VIEWS)}, got {kv_view!r}.")
+            raise ValueError(
+                f"kv_view must be one of {', '.join(KV_VIEWS)}, got {kv_view!r}."
+            )
         self.model = model
         self.path = path
         self.block_size = block_size
@@ -271,7 +283,9 @@ class AssistantDrafter:
         self._target = None
 
     def __repr__(self) -> str:
-        return f"<assistant drafter, {self.block_size} drafts per round, from {self.path}>"
+        return (
+            f"<assistant drafter, {self.block_size} drafts per round, from {self.path}>"
+        )
 
     def check_target(self, target) -> None:
         if target.family != "gemma4":
@@ -296,10 +310,18 @@ class AssistantDrafter:
             else ours.num_key_value_heads
         )
         for what, want, have in (
-            ("hidden size (backbone_hidden_size)", self.model.args.backbone_hidden_size, theirs.hidden_size),
+            (
+                "hidden size (backbone_hidden_size)",
+                self.model.args.backbone_hidden_size,
+                theirs.hidden_size,
+            ),
             ("vocabulary size", ours.vocab_size, theirs.vocab_size),
             ("sliding-layer head dim", ours.head_dim, theirs.head_dim),
-            ("sliding-layer KV heads", ours.num_key_value_heads, theirs.num_key_value_heads),
+            (
+                "sliding-layer KV heads",
+                ours.num_key_value_heads,
+                theirs.num_key_value_heads,
+            ),
             ("full-layer head dim", ours.global_head_dim, theirs.global_head_dim),
             ("full-layer KV heads", our_full_kv_heads, full_kv_heads),
             ("attention_k_eq_v", ours.attention_k_eq_v, theirs.attention_k_eq_v),
@@ -356,7 +378,9 @@ class AssistantDrafter:
                 "The assistant reads the target's sliding-window cache by position; "
                 "make the prompt cache with mlx_dspark.make_prompt_cache(model, drafter)."
             )
-        visible = (sliding.positions >= sliding_start) & (sliding.positions < sliding_end)
+        visible = (sliding.positions >= sliding_start) & (
+            sliding.positions < sliding_end
+        )
         return {
             "full_attention": (
                 full.keys[..., :full_end, :],
@@ -431,7 +455,9 @@ def validate_config(config: dict, path: Path) -> None:
         "sliding_attention",
         "full_attention",
     }:
-        problems.append(f"layer_types {types} do not describe {text['num_hidden_layers']} layers")
+        problems.append(
+            f"layer_types {types} do not describe {text['num_hidden_layers']} layers"
+        )
     for kind in set(types):
         if "rope_theta" not in (text["rope_parameters"].get(kind) or {}):
             problems.append(f"rope_parameters has no rope_theta for {kind}")
@@ -442,7 +468,11 @@ def validate_config(config: dict, path: Path) -> None:
                 f"num_centroids {centroids} must divide the vocabulary ({text['vocab_size']})"
             )
     if problems:
-        raise ValueError(f"{path}/config.json is not a valid assistant config: " + "; ".join(problems) + ".")
+        raise ValueError(
+            f"{path}/config.json is not a valid assistant config: "
+            + "; ".join(problems)
+            + "."
+        )
 
 
 def block_size_of(path: Path) -> int:
@@ -463,7 +493,9 @@ def block_size_of(path: Path) -> int:
     return tokens
 
 
-def load(path: Path, config: dict, kv_view: str = "transformers", dtype=None, lazy=False):
+def load(
+    path: Path, config: dict, kv_view: str = "transformers", dtype=None, lazy=False
+):
     validate_config(config, path)
     model = load_network(path, Model, ModelArgs, dtype, lazy)
     return AssistantDrafter(model, path, block_size_of(path), kv_view)
@@ -475,7 +507,9 @@ def detect(config: dict) -> bool:
     ) in MODEL_TYPES
 
 
-KIND = DrafterKind(name="gemma4-assistant", architectures=ARCHITECTURES, detect=detect, load=load)
+KIND = DrafterKind(
+    name="gemma4-assistant", architectures=ARCHITECTURES, detect=detect, load=load
+)
 
 
 @hookimpl

@@ -23,6 +23,9 @@ mlx-dspark (hidden-state speculative drafters, e.g. DeepSeek DSpark/DFlash):
                                  1 .. its trained block size (the default)
   --draft-confidence-threshold T verify drafts only up to the first whose
                                  confidence is below T (DSpark; default 0: all)
+  --draft-kv-view {transformers,clean}
+                                 the K/V a Gemma-4 assistant sees (default
+                                 transformers': drafts match transformers')
   Set MLX_DSPARK_DISABLE=1 to run mlx-lm unchanged.
 """
 
@@ -40,6 +43,7 @@ generation_options = {}
 def _parser(with_processors: bool) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--draft-confidence-threshold", type=float, default=0.0)
+    parser.add_argument("--draft-kv-view", choices=("transformers", "clean"))
     if with_processors:
         parser.add_argument("--repetition-penalty", type=float)
         parser.add_argument("--repetition-context-size", type=int, default=20)
@@ -78,46 +82,45 @@ def _probe(argv: List[str]) -> argparse.Namespace:
     return probe.parse_known_args(argv)[0]
 
 
-def prepare(
-    argv: List[str], with_processors: bool = False
-) -> Tuple[List[str], Optional[dict]]:
-    """Take mlx-dspark's flags out of ``argv`` and default
-    ``--num-draft-tokens`` to a hidden-state drafter's block size. Returns the
-    arguments for mlx-lm and the drafter's config (``None`` for no drafter or
-    an ordinary draft model)."""
+def prepare(argv: List[str], with_processors: bool = False) -> Tuple[List[str], object]:
+    """Take mlx-dspark's flags out of ``argv``, check a hidden-state drafter
+    given as ``--draft-model`` (without reading its weights) and default
+    ``--num-draft-tokens`` to its block size. Returns the arguments for
+    mlx-lm and the drafter (``None`` for no draft model or an ordinary one)."""
     ours, rest = _parser(with_processors).parse_known_args(argv)
     if with_processors:
         _set_processors(ours)
+    options = {}
+    if ours.draft_confidence_threshold:
+        options["confidence_threshold"] = ours.draft_confidence_threshold
+    if ours.draft_kv_view is not None:
+        options["kv_view"] = ours.draft_kv_view
     args = _probe(rest)
-    config = None
-    if args.draft_model is not None:
-        config = checkpoint_config(args.draft_model)
-        if not any(kind.detect(config) for kind in drafter_kinds()):
-            config = None
-    if config is None:
-        if ours.draft_confidence_threshold:
+    config = checkpoint_config(args.draft_model) if args.draft_model else None
+    if config is None or not any(kind.detect(config) for kind in drafter_kinds()):
+        if options:
             raise ValueError(
-                "--draft-confidence-threshold needs a hidden-state drafter "
-                "(DSpark) as --draft-model."
+                f"{', '.join('--draft-' + k.replace('_', '-') for k in options)} "
+                "need a hidden-state drafter as --draft-model."
             )
         return rest, None
-    block = config["block_size"]
+    drafter = load_drafter(args.draft_model, lazy=True, **options)
     if args.num_draft_tokens is None:
-        rest += ["--num-draft-tokens", str(block)]
-    elif not 1 <= args.num_draft_tokens <= block:
+        rest += ["--num-draft-tokens", str(drafter.block_size)]
+    elif not 1 <= args.num_draft_tokens <= drafter.max_draft_tokens:
         raise ValueError(
-            f"--num-draft-tokens must be between 1 and the drafter's trained "
-            f"block size {block}, got {args.num_draft_tokens}."
+            f"--num-draft-tokens must be between 1 and {drafter.max_draft_tokens} for "
+            f"this drafter (its trained block size is {drafter.block_size}), got "
+            f"{args.num_draft_tokens}."
         )
     drafter_options.clear()
-    drafter_options["confidence_threshold"] = ours.draft_confidence_threshold
-    return rest, config
+    drafter_options.update(options)
+    return rest, drafter
 
 
-def preflight(model_path: str, draft_path: str) -> None:
-    """Check the drafter checkpoint and its pairing with the target from the
-    checkpoints' configs and tensor headers, without reading any weights."""
-    drafter = load_drafter(draft_path, lazy=True, **drafter_options)
+def preflight(model_path: str, draft_path: str, drafter) -> None:
+    """Check that ``drafter`` fits the target, from the target's config and
+    tensor headers (no weights read); keep it for mlx-lm's load."""
     target, _ = load_model(_download(model_path), lazy=True)
     adapt_target(target, drafter)
     preloaded[draft_path] = (threading.get_ident(), drafter)
@@ -142,14 +145,14 @@ def wrap_main(
             print(HELP + (PROCESSOR_HELP if with_processors else ""))
             return original()
         try:
-            argv, config = prepare(argv, with_processors)
-            if config is not None:
+            argv, drafter = prepare(argv, with_processors)
+            if drafter is not None:
                 args = _probe(argv)
-                preflight(args.model or default_model, args.draft_model)
+                preflight(args.model or default_model, args.draft_model, drafter)
         except ValueError as e:
             _fail(prog, e)
         sys.argv = sys.argv[:1] + argv
-        if config is None:
+        if drafter is None:
             return original()
         try:
             return original()

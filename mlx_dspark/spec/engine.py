@@ -238,7 +238,7 @@ def speculative_generate_step(
             )
         else:
             u = mx.random.uniform(shape=(n + 1,))
-            draft_log_probs = proposal.log_probs[:n]
+            draft_log_probs = proposal.log_probs[:n] if n else None
             accepted, tokens = rejection_accept(
                 drafts, draft_log_probs, spec.log_probs(log_probs), u
             )

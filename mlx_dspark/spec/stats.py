@@ -64,7 +64,8 @@ class SpeculativeStats:
         position k in which drafts 0..k were all accepted (DeepSpec's
         ``accept_rate@k``); ``None`` where no round verified position k."""
         rates = []
-        for k in range(self.block_size):
+        longest = max([self.block_size] + [r.proposed for r in self.history])
+        for k in range(longest):
             verified = [r for r in self.history if r.proposed > k]
             rates.append(
                 sum(r.accepted > k for r in verified) / len(verified)
