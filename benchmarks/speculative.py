@@ -1,89 +1,247 @@
-"""Speculative vs plain decoding in the same run on the same machine.
+"""Speculative vs plain decoding, in the same run on the same machine.
 
-Reports generation throughput of both (prompt processing excluded), their
-ratio, the drafter's tau, and whether the outputs were identical. Defaults to
-the tiny pair bundled with the project; pass --model/--draft-model for real
-checkpoints.
+Two setups:
+
+* the tiny pair bundled with the project (default; ``--quick`` for a short
+  run): real acceptance;
+* ``--shapes 12b`` (or ``--scale N`` for Gemma-4-12B shapes divided by N):
+  random weights at real shapes, with an **acceptance-controlled replay**: the
+  real drafter computes every round in full, then its first drafts are
+  replaced by the target's own continuation (known from the plain run) so that
+  the accepted length follows a profile with the given tau. Wall-clock is
+  real; acceptance is synthetic, and the report says so.
+
+Reports one JSON object (``--json``) or a table: plain and speculative
+generation throughput (prompt processing excluded), their ratio, and
+``bound_speedup = tau * T_decode / (T_verify(k+1) + T_draft)`` from the same
+run's component timings: the speedup a round with no overhead beyond one
+verify forward and one draft would reach.
 """
 
 import argparse
 import json
 import platform
+import random
 import statistics
+import time
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
-from mlx_lm import stream_generate as mlx_lm_stream_generate
+from mlx_lm.generate import generate_step
 
 import mlx_dspark
+from mlx_dspark.drafters.base import Proposal
+from mlx_dspark.spec.engine import adapt_target
+
+import shapes
+from timing import backend, seconds
 
 TINY = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "deepspec-tiny"
 
 
-def run(generate, repeats):
-    speeds, tokens, last = [], None, None
-    for _ in range(repeats + 1):  # the first run warms up
-        responses = list(generate())
-        last = responses[-1]
-        speeds.append(last.generation_tps)
-        tokens = [r.token for r in responses]
-    return statistics.median(speeds[1:]), tokens, last
+def conditional_for_tau(tau: float, drafts: int) -> float:
+    """The per-draft acceptance c with 1 + c + c^2 + ... + c^drafts = tau."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        c = (low + high) / 2
+        if 1 + sum(c**j for j in range(1, drafts + 1)) < tau:
+            low = c
+        else:
+            high = c
+    return (low + high) / 2
+
+
+class ReplayDrafter:
+    """A real drafter whose acceptance follows a profile (see the module
+    docstring). Its own drafts stay in the graph, so its compute is real."""
+
+    def __init__(self, drafter, continuation, first_position, tau, seed=0):
+        self.inner = drafter
+        self.continuation = continuation
+        self.first_position = first_position
+        self.conditional = conditional_for_tau(tau, drafter.block_size)
+        self.random = random.Random(seed)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, cache, anchor, num_drafts, draw=None, target_cache=None):
+        proposal = self.inner.propose(
+            cache, anchor, num_drafts, draw, target_cache=target_cache
+        )
+        first = target_cache[0].offset - self.first_position + 1
+        truth = self.continuation[first : first + num_drafts]
+        truth += [0] * (num_drafts - len(truth))
+        accepted = 0
+        while accepted < num_drafts and self.random.random() < self.conditional:
+            accepted += 1
+        replayed = mx.array(truth, mx.uint32) + 0 * proposal.tokens
+        tokens = mx.where(mx.arange(num_drafts) < accepted, replayed, proposal.tokens)
+        return Proposal(
+            tokens, proposal.logits, proposal.log_probs, proposal.confidence
+        )
+
+
+def components(model, drafter, prompt, num_drafts):
+    """T_verify(k+1) and T_draft at the prompt's context depth (seconds)."""
+    target = adapt_target(model, drafter)
+    target_cache = target.make_cache(num_drafts + 1)
+    draft_cache = drafter.make_cache()
+    out = target(prompt[None], target_cache, drafter.taps)
+    drafter.commit(draft_cache, out.hidden)
+    mx.eval([c.state for c in target_cache + draft_cache])
+    anchor = mx.array(7, mx.uint32)
+    verify_ids = mx.array([7] * (num_drafts + 1), mx.uint32)[None]
+
+    def verify():
+        out = target(verify_ids, target_cache, drafter.taps)
+        for c in target_cache:
+            c.trim(num_drafts + 1)
+        return out.logits, out.hidden
+
+    def draft():
+        proposal = drafter.propose(
+            draft_cache, anchor, num_drafts, target_cache=target_cache
+        )
+        return proposal.tokens, proposal.confidence
+
+    return seconds(verify), seconds(draft)
+
+
+def generate(steps, repeats):
+    """Tokens and median decoding throughput (tokens after the first over the
+    time since the first: prompt processing excluded) of ``repeats`` runs of
+    the step generator ``steps()``, after a warm-up run."""
+    speeds, tokens = [], None
+    for _ in range(repeats + 1):
+        tokens, first = [], None
+        for step in steps():
+            tokens.append(int(step[0]))
+            if first is None:
+                first = time.perf_counter()
+        speeds.append((len(tokens) - 1) / (time.perf_counter() - first))
+    return tokens, statistics.median(speeds[1:])
+
+
+def measure(model, drafter, prompt, max_tokens, repeats, num_drafts=None, tau=None):
+    """Plain vs speculative decoding of ``prompt``, and the round's components.
+    With ``tau``, acceptance is replayed (see ``ReplayDrafter``)."""
+    num_drafts = num_drafts or drafter.block_size
+    context = prompt.size
+    plain_tokens, plain_tps = generate(
+        lambda: generate_step(prompt, model, max_tokens=max_tokens), repeats
+    )
+    if tau is not None:
+        drafter = ReplayDrafter(drafter, plain_tokens, context, tau)
+    stats = mlx_dspark.SpeculativeStats(drafter.name, drafter.block_size)
+
+    def speculative():
+        stats.history.clear()
+        return mlx_dspark.speculative_generate_step(
+            prompt,
+            model,
+            drafter,
+            max_tokens=max_tokens,
+            num_draft_tokens=num_drafts,
+            stats=stats,
+        )
+
+    spec_tokens, spec_tps = generate(speculative, repeats)
+    t_verify, t_draft = components(model, drafter, prompt, num_drafts)
+    t_decode = 1 / plain_tps
+    return {
+        "plain_tok_s": round(plain_tps, 2),
+        "spec_tok_s": round(spec_tps, 2),
+        "speedup": round(spec_tps / plain_tps, 3),
+        "bound_speedup": round(stats.tau * t_decode / (t_verify + t_draft), 3),
+        "tau": round(stats.tau, 3),
+        "lossless": spec_tokens == plain_tokens,
+        "acceptance": "real"
+        if tau is None
+        else f"replayed: profile with tau {tau} (synthetic; wall-clock real)",
+        "t_decode_ms": round(1000 * t_decode, 3),
+        "t_verify_ms": round(1000 * t_verify, 3),
+        "t_draft_ms": round(1000 * t_draft, 3),
+        "num_draft_tokens": num_drafts,
+        "context": context,
+        "max_tokens": max_tokens,
+        "backend": backend(),
+        "machine": platform.machine(),
+        "mlx": mx.__version__,
+    }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=str(TINY / "target_tiny_gemma4"))
     parser.add_argument(
-        "--draft-model", default=str(TINY / "dspark_tiny_gemma4_block4")
+        "--quick", action="store_true", help="a short run on the tiny pair"
     )
-    parser.add_argument(
-        "--prompt", default="w65 w211 w266 w241 w234 w10 w325 w168 w387 w454"
-    )
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--num-draft-tokens", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--shapes", choices=["tiny", "12b"], default="tiny")
+    parser.add_argument(
+        "--scale", type=int, default=1, help="divide the 12b shapes by this"
+    )
+    parser.add_argument(
+        "--drafter", choices=["dspark", "dflash", "assistant"], default="dspark"
+    )
+    parser.add_argument("--target-bits", type=int, choices=[4, 8])
+    parser.add_argument("--drafter-bits", type=int, choices=[4, 8])
+    parser.add_argument(
+        "--tau", type=float, default=3.3, help="replayed acceptance length"
+    )
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--num-draft-tokens", type=int)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    if args.quick:
+        args.max_tokens, args.repeats = 64, 1
 
-    model, tokenizer = load(args.model)
-    drafter = mlx_dspark.load_drafter(args.draft_model)
-    plain_tps, plain_tokens, _ = run(
-        lambda: mlx_lm_stream_generate(
-            model, tokenizer, args.prompt, max_tokens=args.max_tokens
-        ),
+    mx.random.seed(0)
+    if args.shapes == "tiny":
+        if args.drafter == "assistant":
+            path = TINY.parent / "assistant-tiny" / "dense"
+            model, _ = load(str(path / "target"))
+            drafter = mlx_dspark.load_drafter(path / "assistant")
+        else:
+            model, _ = load(str(TINY / "target_tiny_gemma4"))
+            drafter = mlx_dspark.load_drafter(
+                TINY / f"{args.drafter}_tiny_gemma4_block4"
+            )
+        tau = None
+    else:
+        model = shapes.make_target(args.scale, bits=args.target_bits)
+        make = (
+            shapes.make_assistant
+            if args.drafter == "assistant"
+            else shapes.make_drafter
+        )
+        options = {} if args.drafter == "assistant" else {"variant": args.drafter}
+        drafter = make(args.scale, bits=args.drafter_bits, **options)
+        tau = args.tau
+    vocab = adapt_target(model, drafter).vocab_size
+    prompt = mx.random.randint(5, vocab, (args.context,)).astype(mx.uint32)
+    result = measure(
+        model,
+        drafter,
+        prompt,
+        args.max_tokens,
         args.repeats,
+        args.num_draft_tokens,
+        tau,
     )
-    spec_tps, spec_tokens, last = run(
-        lambda: mlx_dspark.stream_generate(
-            model,
-            tokenizer,
-            args.prompt,
-            draft=drafter,
-            max_tokens=args.max_tokens,
-            num_draft_tokens=args.num_draft_tokens,
-        ),
-        args.repeats,
+    result.update(
+        drafter=args.drafter
+        + (f" {args.drafter_bits}-bit" if args.drafter_bits else ""),
+        target_bits=args.target_bits or 16,
+        shapes="tiny" if args.shapes == "tiny" else f"gemma-4-12b/{args.scale}",
     )
-    result = {
-        "plain_tok_s": round(plain_tps, 2),
-        "spec_tok_s": round(spec_tps, 2),
-        "speedup": round(spec_tps / plain_tps, 3),
-        "tau": round(last.stats.tau, 3),
-        "lossless": spec_tokens == plain_tokens,
-        "drafter": last.stats.drafter,
-        "max_tokens": args.max_tokens,
-        "backend": str(mx.default_device()),
-        "machine": platform.machine(),
-        "mlx": mx.__version__,
-        "model": args.model,
-        "draft_model": args.draft_model,
-    }
     if args.json:
         print(json.dumps(result))
     else:
         for key, value in result.items():
-            print(f"{key:>12}: {value}")
+            print(f"{key:>16}: {value}")
 
 
 if __name__ == "__main__":
