@@ -4,11 +4,13 @@ mlx-lm's ``RotatingKVCache`` overwrites its oldest entries in place and stops
 being trimmable once it has wrapped, so after the first window of context a
 rejected draft stays in the cache and speculative decoding silently changes
 the output. ``SlidingWindowKVCache`` keeps ``window - 1 + max_rollback``
-entries in a ring (slot = position mod capacity) together with the absolute
-position of every slot, and builds its attention mask from those positions.
-Rolling back only moves ``offset`` back: the entries it leaves behind have
-positions at or beyond ``offset``, so the causal mask hides them until they
-are overwritten by the same positions.
+entries in a ring, the token at position ``p`` in slot ``p mod capacity``,
+and builds its attention mask from the slots' positions. Positions are always
+written in order, so the slots hold exactly the positions
+``[end - capacity, end)``, ``end`` being the highest position ever written
+plus one. Rolling back only moves ``offset`` back: the entries it leaves
+behind have positions at or beyond ``offset``, so the causal mask hides them
+until they are overwritten by the same positions.
 """
 
 from typing import Optional
@@ -16,8 +18,6 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
-
-_EMPTY = -(2**30)
 
 
 class SlidingWindowKVCache(_BaseCache):
@@ -35,6 +35,8 @@ class SlidingWindowKVCache(_BaseCache):
             concatenation.
     """
 
+    step = 256
+
     def __init__(self, window: int, max_rollback: int):
         if window < 1 or max_rollback < 1:
             raise ValueError(
@@ -44,71 +46,58 @@ class SlidingWindowKVCache(_BaseCache):
         self.max_rollback = max_rollback
         self.keys = None
         self.values = None
-        self.positions = None
         self.offset = 0
-        self._start = 0
-
-    step = 256
+        self._end = 0  # highest position ever written, plus one
+        self._start = 0  # oldest position whose entry is still in the ring
 
     @property
     def capacity(self) -> int:
         return self.window - 1 + self.max_rollback
 
-    def _slots_for(self, n: int) -> int:
-        """Ring slots needed to write ``n`` more tokens. Until the ring is
-        full-size, every position written so far is below its size."""
-        allocated = 0 if self.positions is None else self.positions.size
-        end = self.offset + n
-        if allocated == self.capacity or end <= allocated:
-            return allocated
+    @property
+    def slots(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def slot_positions(self, end: Optional[int] = None) -> mx.array:
+        """The position held by each slot (negative: never written), when the
+        highest position written is ``end - 1``."""
+        end = self._end if end is None else end
+        slot = mx.arange(self.slots if end <= self.slots else self._slots_for_end(end))
+        return end - 1 - ((end - 1 - slot) % self.capacity)
+
+    def _slots_for_end(self, end: int) -> int:
+        """Ring slots needed once positions up to ``end - 1`` are written.
+        Until the ring is full-size, every position written is below its size."""
+        if self.slots == self.capacity or end <= self.slots:
+            return self.slots
         return min(self.capacity, -(-end // self.step) * self.step)
 
     def _grow(self, slots: int, like_keys: mx.array, like_values: mx.array) -> None:
-        allocated = 0 if self.positions is None else self.positions.size
-        if slots == allocated:
+        extra = slots - self.slots
+        if extra == 0:
             return
         B, H, _, Dk = like_keys.shape
-        extra = slots - allocated
         new_k = mx.zeros((B, H, extra, Dk), like_keys.dtype)
         new_v = mx.zeros((B, H, extra, like_values.shape[3]), like_values.dtype)
-        new_p = mx.full((extra,), _EMPTY, dtype=mx.int32)
-        if self.positions is None:
-            self.keys, self.values, self.positions = new_k, new_v, new_p
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
         else:
             self.keys = mx.concatenate([self.keys, new_k], axis=2)
             self.values = mx.concatenate([self.values, new_v], axis=2)
-            self.positions = mx.concatenate([self.positions, new_p])
 
-    def _ring_write(self, ring: mx.array, new: mx.array, axis: int) -> mx.array:
-        capacity = self.capacity
-        n = new.shape[axis]
+    def _ring_write(self, ring: mx.array, new: mx.array) -> mx.array:
+        capacity, n = self.capacity, new.shape[2]
         if n > capacity:
-            new = new[(slice(None),) * axis + (slice(n - capacity, None),)]
-        first = (self.offset + n - new.shape[axis]) % capacity
-        head = min(new.shape[axis], capacity - first)
-        idx = (slice(None),) * axis
-        ring[idx + (slice(first, first + head),)] = new[idx + (slice(0, head),)]
-        if head < new.shape[axis]:
-            rest = new.shape[axis] - head
-            ring[idx + (slice(0, rest),)] = new[idx + (slice(head, None),)]
+            new = new[:, :, n - capacity :]
+        first = (self.offset + n - new.shape[2]) % capacity
+        head = min(new.shape[2], capacity - first)
+        ring[:, :, first : first + head] = new[:, :, :head]
+        if head < new.shape[2]:
+            ring[:, :, : new.shape[2] - head] = new[:, :, head:]
         return ring
 
     def _in_place(self, n: int) -> bool:
         return n <= self.max_rollback
-
-    def _key_positions(self, n: int) -> Optional[mx.array]:
-        """Positions of the keys ``update_and_fetch`` will return for ``n`` new
-        tokens, or ``None`` when it returns only the new tokens."""
-        new = mx.arange(self.offset, self.offset + n, dtype=mx.int32)
-        if self.offset == 0 and not self._in_place(n):
-            return None
-        ring = mx.full((self._slots_for(n),), _EMPTY, dtype=mx.int32)
-        if self.positions is not None:
-            ring[: self.positions.size] = self.positions
-        if self._in_place(n):
-            return self._ring_write(ring, new, axis=0)
-        stale = ring >= self.offset
-        return mx.concatenate([mx.where(stale, _EMPTY, ring), new])
 
     def make_mask(
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
@@ -118,29 +107,44 @@ class SlidingWindowKVCache(_BaseCache):
                 f"This cache serves a window of {self.window} tokens, but the "
                 f"layer asked for a mask with window {window_size}."
             )
-        positions = self._key_positions(N)
-        if positions is None:
+        o = self.offset
+        if o == 0 and not self._in_place(N):
             return create_causal_mask(N, 0, window_size=self.window)
-        queries = mx.arange(self.offset, self.offset + N, dtype=mx.int32)[:, None]
-        return (positions[None] <= queries) & (positions[None] > queries - self.window)
+        if self._in_place(N):
+            # The ring after the write (stale slots, at or past o + N, are
+            # in the causal future of every query).
+            positions = self.slot_positions(max(self._end, o + N))
+        else:
+            # The ring before the write, without its stale slots, then the
+            # new tokens.
+            ring = self.slot_positions()
+            positions = mx.concatenate(
+                [mx.where(ring < o, ring, -1), mx.arange(o, o + N)]
+            )
+        queries = mx.arange(o, o + N)[:, None]
+        return (
+            (positions[None] <= queries)
+            & (positions[None] > queries - self.window)
+            & (positions[None] >= 0)
+        )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n = keys.shape[2]
-        self._grow(self._slots_for(n), keys, values)
+        o = self.offset
         if self._in_place(n):
             fetched = None
-        elif self.offset == 0:
+        elif o == 0:
             fetched = (keys, values)
         else:
             fetched = (
                 mx.concatenate([self.keys, keys], axis=2),
                 mx.concatenate([self.values, values], axis=2),
             )
-        new_positions = mx.arange(self.offset, self.offset + n, dtype=mx.int32)
-        self.keys = self._ring_write(self.keys, keys, axis=2)
-        self.values = self._ring_write(self.values, values, axis=2)
-        self.positions = self._ring_write(self.positions, new_positions, axis=0)
-        self._start = max(self._start, self.offset + n - self.capacity)
+        self._grow(self._slots_for_end(o + n), keys, values)
+        self.keys = self._ring_write(self.keys, keys)
+        self.values = self._ring_write(self.values, values)
+        self._start = max(self._start, o + n - self.capacity)
+        self._end = max(self._end, o + n)
         self.offset += n
         return fetched or (self.keys, self.values)
 
@@ -176,18 +180,18 @@ class SlidingWindowKVCache(_BaseCache):
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
+        return self.keys.nbytes + self.values.nbytes
 
     @property
     def state(self):
         return (
             self.keys,
             self.values,
-            self.positions,
             self.offset,
             self.window,
             self.max_rollback,
             self._start,
+            self._end,
         )
 
     @state.setter
@@ -195,9 +199,9 @@ class SlidingWindowKVCache(_BaseCache):
         (
             self.keys,
             self.values,
-            self.positions,
             self.offset,
             self.window,
             self.max_rollback,
             self._start,
+            self._end,
         ) = v

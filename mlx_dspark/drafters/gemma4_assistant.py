@@ -378,9 +378,8 @@ class AssistantDrafter:
                 "The assistant reads the target's sliding-window cache by position; "
                 "make the prompt cache with mlx_dspark.make_prompt_cache(model, drafter)."
             )
-        visible = (sliding.positions >= sliding_start) & (
-            sliding.positions < sliding_end
-        )
+        positions = sliding.slot_positions()
+        visible = (positions >= sliding_start) & (positions < sliding_end)
         return {
             "full_attention": (
                 full.keys[..., :full_end, :],

@@ -307,6 +307,9 @@ def speculative_generate_step(
                     num_verify = int(
                         mx.cumprod(confident.astype(mx.int32)).sum().item()
                     )
+                else:
+                    # Let the device draft while the host builds the verify.
+                    mx.async_eval(proposal.tokens)
 
                 drafts = proposal.tokens[:num_verify]
                 out = forward(mx.concatenate([anchor.reshape(1), drafts]))
