@@ -28,7 +28,8 @@ ROPE = {
 
 
 def target_config(scale: int = 1) -> dict:
-    layers = 48 // scale if scale > 1 else 48
+    # Whole groups of five sliding layers and one full one, at least one.
+    layers = max(6, 48 // scale // 6 * 6)
     return dict(
         model_type="gemma4_text",
         hidden_size=3840 // scale,

@@ -5,11 +5,11 @@ Two setups:
 * the tiny pair bundled with the project (default; ``--quick`` for a short
   run): real acceptance;
 * ``--shapes 12b`` (or ``--scale N`` for Gemma-4-12B shapes divided by N):
-  random weights at real shapes, with an **acceptance-controlled replay**: the
-  real drafter computes every round in full, then its first drafts are
-  replaced by the target's own continuation (known from the plain run) so that
-  the accepted length follows a profile with the given tau. Wall-clock is
-  real; acceptance is synthetic, and the report says so.
+  random weights at real shapes, with **replayed acceptance**: target and
+  drafter compute every round in full, but the number of accepted drafts is
+  drawn from a profile with the given tau instead of compared (random weights
+  accept almost nothing). Wall-clock is real; acceptance is synthetic, the
+  output is not the target's, and the report says so.
 
 Reports one JSON object (``--json``) or a table: plain and speculative
 generation throughput (prompt processing excluded), their ratio, and
@@ -19,6 +19,7 @@ verify forward and one draft would reach.
 """
 
 import argparse
+import contextlib
 import json
 import platform
 import random
@@ -31,7 +32,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 import mlx_dspark
-from mlx_dspark.drafters.base import Proposal
+from mlx_dspark.spec import engine
 from mlx_dspark.spec.engine import adapt_target
 
 import shapes
@@ -52,35 +53,27 @@ def conditional_for_tau(tau: float, drafts: int) -> float:
     return (low + high) / 2
 
 
-class ReplayDrafter:
-    """A real drafter whose acceptance follows a profile (see the module
-    docstring). Its own drafts stay in the graph, so its compute is real."""
+@contextlib.contextmanager
+def replayed_acceptance(tau: float, block_size: int, seed: int = 0):
+    """Within the block, every greedy round accepts a number of drafts drawn
+    from the profile "each draft accepted with probability c after an accepted
+    one" whose mean accepted length is ``tau``. The real comparison stays in
+    the graph, so the round's compute is unchanged."""
+    conditional = conditional_for_tau(tau, block_size)
+    draw = random.Random(seed)
+    compare = engine.greedy_accept
 
-    def __init__(self, drafter, continuation, first_position, tau, seed=0):
-        self.inner = drafter
-        self.continuation = continuation
-        self.first_position = first_position
-        self.conditional = conditional_for_tau(tau, drafter.block_size)
-        self.random = random.Random(seed)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def propose(self, cache, anchor, num_drafts, draw=None, target_cache=None):
-        proposal = self.inner.propose(
-            cache, anchor, num_drafts, draw, target_cache=target_cache
-        )
-        first = target_cache[0].offset - self.first_position + 1
-        truth = self.continuation[first : first + num_drafts]
-        truth += [0] * (num_drafts - len(truth))
+    def replayed(drafts, target_tokens):
         accepted = 0
-        while accepted < num_drafts and self.random.random() < self.conditional:
+        while accepted < drafts.size and draw.random() < conditional:
             accepted += 1
-        replayed = mx.array(truth, mx.uint32) + 0 * proposal.tokens
-        tokens = mx.where(mx.arange(num_drafts) < accepted, replayed, proposal.tokens)
-        return Proposal(
-            tokens, proposal.logits, proposal.log_probs, proposal.confidence
-        )
+        return 0 * compare(drafts, target_tokens) + accepted
+
+    engine.greedy_accept = replayed
+    try:
+        yield
+    finally:
+        engine.greedy_accept = compare
 
 
 def components(model, drafter, prompt, num_drafts):
@@ -126,14 +119,12 @@ def generate(steps, repeats):
 
 def measure(model, drafter, prompt, max_tokens, repeats, num_drafts=None, tau=None):
     """Plain vs speculative decoding of ``prompt``, and the round's components.
-    With ``tau``, acceptance is replayed (see ``ReplayDrafter``)."""
+    With ``tau``, acceptance is replayed (see ``replayed_acceptance``)."""
     num_drafts = num_drafts or drafter.block_size
     context = prompt.size
     plain_tokens, plain_tps = generate(
         lambda: generate_step(prompt, model, max_tokens=max_tokens), repeats
     )
-    if tau is not None:
-        drafter = ReplayDrafter(drafter, plain_tokens, context, tau)
     stats = mlx_dspark.SpeculativeStats(drafter.name, drafter.block_size)
 
     def speculative():
@@ -147,7 +138,11 @@ def measure(model, drafter, prompt, max_tokens, repeats, num_drafts=None, tau=No
             stats=stats,
         )
 
-    spec_tokens, spec_tps = generate(speculative, repeats)
+    if tau is None:
+        spec_tokens, spec_tps = generate(speculative, repeats)
+    else:
+        with replayed_acceptance(tau, num_drafts):
+            spec_tokens, spec_tps = generate(speculative, repeats)
     t_verify, t_draft = components(model, drafter, prompt, num_drafts)
     t_decode = 1 / plain_tps
     return {
@@ -156,7 +151,7 @@ def measure(model, drafter, prompt, max_tokens, repeats, num_drafts=None, tau=No
         "speedup": round(spec_tps / plain_tps, 3),
         "bound_speedup": round(stats.tau * t_decode / (t_verify + t_draft), 3),
         "tau": round(stats.tau, 3),
-        "lossless": spec_tokens == plain_tokens,
+        "lossless": spec_tokens == plain_tokens if tau is None else "n/a",
         "acceptance": "real"
         if tau is None
         else f"replayed: profile with tau {tau} (synthetic; wall-clock real)",
