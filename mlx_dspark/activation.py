@@ -27,29 +27,51 @@ def disabled() -> bool:
 
 
 class _PatchingLoader:
-    """Runs the real loader, then patches the module it produced."""
+    """Runs the real loader; for mlx-lm's modules, then patches the result.
 
-    def __init__(self, loader):
+    The patches import mlx-dspark's own modules. When mlx-lm's module is
+    imported *by* one of them (``import mlx_dspark.cache`` imports
+    ``mlx_lm.models``, whose package imports ``mlx_lm.generate``), patching
+    there would re-enter a half-executed module; the hook therefore counts the
+    mlx-dspark modules executing and patches once the outermost is done."""
+
+    def __init__(self, loader, hook, ours):
         self._loader = loader
+        self._hook = hook
+        self._ours = ours
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
-        self._loader.exec_module(module)
-        from .integration import patch_module
-
-        patch_module(module)
+        hook = self._hook
+        if not self._ours:
+            self._loader.exec_module(module)
+            hook.pending.append(module)
+        else:
+            hook.executing += 1
+            try:
+                self._loader.exec_module(module)
+            finally:
+                hook.executing -= 1
+        if hook.executing == 0:
+            hook.patch_pending()
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
 
 
 class PostImportHook:
-    """A ``sys.meta_path`` finder that wraps the loaders of ``TARGETS``."""
+    """A ``sys.meta_path`` finder that wraps the loaders of ``TARGETS`` (to
+    patch them) and of mlx-dspark's modules (to know when patching is safe)."""
+
+    def __init__(self):
+        self.executing = 0
+        self.pending = []
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in TARGETS or disabled():
+        ours = fullname.startswith("mlx_dspark.")
+        if not (ours or fullname in TARGETS) or disabled():
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -57,9 +79,16 @@ class PostImportHook:
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None:
-                    spec.loader = _PatchingLoader(spec.loader)
+                    spec.loader = _PatchingLoader(spec.loader, self, ours)
                 return spec
         return None
+
+    def patch_pending(self):
+        while self.pending:
+            module = self.pending.pop(0)
+            from .integration import patch_module
+
+            patch_module(module)
 
 
 def install() -> None:

@@ -470,6 +470,40 @@ def test_activation_is_lazy_and_installed_for_every_interpreter():
     assert probe.stdout.split() == ["True", "False"]
 
 
+def test_any_module_can_be_imported_first_and_mlx_lm_still_ends_up_patched():
+    """Importing one of mlx-dspark's modules first imports mlx_lm.generate from
+    inside it; the patches (which import mlx-dspark) must wait until that
+    module has finished executing instead of failing on a circular import."""
+    import pkgutil
+
+    import mlx_dspark
+
+    modules = [
+        info.name for info in pkgutil.walk_packages(mlx_dspark.__path__, "mlx_dspark.")
+    ]
+    probe = (
+        "import sys, importlib; importlib.import_module(sys.argv[1]);"
+        "import mlx_lm.generate, mlx_lm.server;"
+        "print(all(sys.modules[m]._mlx_dspark_originals is not None"
+        " for m in ('mlx_lm.generate', 'mlx_lm.server')))"
+    )
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", probe, module],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env(),
+        )
+        for module in modules
+    ]
+    results = {module: run.communicate() for module, run in zip(modules, runs)}
+    failed = {
+        m: err[-300:] for m, (out, err) in results.items() if out.strip() != "True"
+    }
+    assert len(modules) > 20 and not failed
+
+
 def test_patches_are_idempotent_reversible_and_version_gated(monkeypatch, capsys):
     import mlx_lm
     import mlx_lm.server  # noqa: F401
