@@ -4,21 +4,24 @@
 ``mlx_lm.generate`` and ``mlx_lm.server`` with mlx-dspark activated
 explicitly: every mlx-lm flag passes through. They work without the
 auto-activation (for example with ``MLX_DSPARK_DISABLE=1``, or on Python
-versions that no longer run ``.pth`` import lines).
+versions that no longer run ``.pth`` import lines). mlx-dspark's own
+commands (``convert``) are modules with a ``main(argv)``.
 """
 
 import importlib
 import sys
 
-COMMANDS = {"generate": "mlx_lm.generate", "server": "mlx_lm.server"}
+MLX_LM_COMMANDS = {"generate": "mlx_lm.generate", "server": "mlx_lm.server"}
+OWN_COMMANDS = {"convert": "mlx_dspark.convert"}
 
 USAGE = """\
-usage: mlx_dspark {generate,server} [mlx-lm flags ...]
+usage: mlx_dspark {generate,server,convert} [flags ...]
 
   generate   mlx_lm.generate with hidden-state drafters (--draft-model)
   server     mlx_lm.server with hidden-state drafters (--draft-model)
+  convert    write a quantized (--q-bits) or re-typed (--dtype) drafter
 
-Run `mlx_dspark generate --help` for the flags."""
+Run `mlx_dspark COMMAND --help` for its flags."""
 
 
 def main():
@@ -26,7 +29,9 @@ def main():
         print(USAGE)
         return 0 if len(sys.argv) >= 2 else 2
     command = sys.argv.pop(1)
-    if command not in COMMANDS:
+    if command in OWN_COMMANDS:
+        return importlib.import_module(OWN_COMMANDS[command]).main(sys.argv[1:])
+    if command not in MLX_LM_COMMANDS:
         print(
             f"mlx_dspark: error: unknown command {command!r}\n\n{USAGE}",
             file=sys.stderr,
@@ -34,7 +39,7 @@ def main():
         return 2
     from .integration import patch_module
 
-    module = importlib.import_module(COMMANDS[command])
+    module = importlib.import_module(MLX_LM_COMMANDS[command])
     if not patch_module(module):
         return 1
     sys.argv[0] = f"mlx_dspark {command}"
