@@ -135,7 +135,7 @@ def test_bad_options():
     )
     refused("no confidence head", DFLASH, confidence_threshold=0.5)
     refused(
-        "take the options confidence_threshold, dtype, lazy; got temperature",
+        "take the options confidence_threshold, scheduler, calibration, dtype, lazy; got temperature",
         DSPARK,
         temperature=0.7,
     )

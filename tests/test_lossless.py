@@ -178,7 +178,6 @@ class ScriptedDrafter:
     every acceptance length (0..k) and rollback depth occurs."""
 
     name = "scripted"
-    confidence_threshold = 0.0
     taps = (0,)
 
     def __init__(self, continuation, corruptions, block_size):

@@ -39,7 +39,6 @@ class RepeatDrafter:
 
     name = "repeat"
     taps = (0,)
-    confidence_threshold = 0.0
 
     def __init__(self, block_size):
         self.block_size = self.max_draft_tokens = block_size

@@ -40,7 +40,9 @@ class Drafter(Protocol):
     block_size: int  # drafts per round by default
     max_draft_tokens: int  # the most drafts per round it accepts
     taps: Sequence  # target taps it consumes (see targets.base.TargetOutput)
-    confidence_threshold: float
+    # Optional: how many drafts to verify (mlx_dspark.confidence.schedulers);
+    # without one, all of them.
+    scheduler: object
 
     def check_target(self, target) -> None:
         """Raise ``ValueError`` naming the mismatch if the drafter was not

@@ -16,6 +16,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ..checkpoints import load_network, require_keys
+from ..confidence.calibration import drafter_fingerprint, resolve_calibration
+from ..confidence.schedulers import make_scheduler
 from .base import Proposal
 from .heads import MARKOV_HEADS
 
@@ -46,19 +48,27 @@ class DeepSpecDrafter:
         confidence_threshold: Verify drafts only up to the first one whose
             confidence ``σ(c_k)`` is below this (DeepSpec's per-position
             threshold). ``0`` verifies every draft.
+        scheduler: ``"fixed"``, ``"threshold"`` or ``"cost"`` (see
+            ``mlx_dspark.confidence.schedulers``); by default ``threshold``
+            when a threshold is given, else ``fixed``.
+        calibration: The confidence head's STS calibration, if any.
+        fingerprint: Identifies the checkpoint (for calibrations and
+            cost profiles).
     """
 
     def __init__(
-        self, model, family: str, path: Path, confidence_threshold: float = 0.0
+        self,
+        model,
+        family: str,
+        path: Path,
+        confidence_threshold: float = 0.0,
+        scheduler: Optional[str] = None,
+        calibration=None,
+        fingerprint: Optional[str] = None,
     ):
         if not 0.0 <= confidence_threshold <= 1.0:
             raise ValueError(
                 f"confidence_threshold must be in [0, 1], got {confidence_threshold}."
-            )
-        if confidence_threshold > 0 and model.confidence_head is None:
-            raise ValueError(
-                f"{path} has no confidence head (a DFlash drafter), so "
-                "confidence_threshold must be 0."
             )
         self.model = model
         self.family = family
@@ -68,7 +78,16 @@ class DeepSpecDrafter:
         self.name = "dspark" if heads else "dflash"
         self.block_size = self.max_draft_tokens = args.block_size
         self.taps = tuple(args.target_layer_ids)
-        self.confidence_threshold = confidence_threshold
+        self.calibration = calibration
+        self.fingerprint = fingerprint
+        self.scheduler = make_scheduler(
+            scheduler,
+            confidence_threshold,
+            calibration,
+            args.block_size,
+            model.confidence_head is not None,
+            path,
+        )
         self._masks = mx.full((args.block_size - 1,), args.mask_token_id, mx.uint32)
 
     def __repr__(self) -> str:
@@ -209,8 +228,15 @@ def validate_config(config: dict, path: Path, required_keys, problems=()) -> Non
         raise _invalid(path, problems)
 
 
-def load_deepspec(
-    path: Path, model_class, args_class, family, confidence_threshold, dtype, lazy
-):
-    model = load_network(path, model_class, args_class, dtype, lazy)
-    return DeepSpecDrafter(model, family, path, confidence_threshold)
+def load_deepspec(path: Path, model_class, args_class, family, options: dict):
+    """Load a DeepSpec drafter with the kind's ``load`` options."""
+    model = load_network(
+        path, model_class, args_class, options.pop("dtype"), options.pop("lazy")
+    )
+    fingerprint = drafter_fingerprint(path)
+    calibration = resolve_calibration(
+        options.pop("calibration"), fingerprint, model.args.block_size
+    )
+    return DeepSpecDrafter(
+        model, family, path, calibration=calibration, fingerprint=fingerprint, **options
+    )

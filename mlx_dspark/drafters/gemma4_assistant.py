@@ -268,7 +268,6 @@ class AssistantDrafter:
 
     name = "assistant"
     taps = (FINAL,)
-    confidence_threshold = 0.0
     max_draft_tokens = MAX_DRAFT_TOKENS
 
     def __init__(self, model: Model, path: Path, block_size: int, kv_view: str):

@@ -137,11 +137,27 @@ def config_problems(config: dict) -> list:
 
 
 def load(
-    path: Path, config: dict, confidence_threshold: float = 0.0, dtype=None, lazy=False
+    path: Path,
+    config: dict,
+    confidence_threshold: float = 0.0,
+    scheduler: Optional[str] = None,
+    calibration=None,
+    dtype=None,
+    lazy=False,
 ):
     validate_config(config, path, REQUIRED_KEYS, config_problems(config))
     return load_deepspec(
-        path, Model, ModelArgs, "qwen3", confidence_threshold, dtype, lazy
+        path,
+        Model,
+        ModelArgs,
+        "qwen3",
+        dict(
+            confidence_threshold=confidence_threshold,
+            scheduler=scheduler,
+            calibration=calibration,
+            dtype=dtype,
+            lazy=lazy,
+        ),
     )
 
 

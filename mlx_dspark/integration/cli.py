@@ -12,6 +12,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import _download, load_model
 
 from ..checkpoints import load_drafter
+from ..confidence.schedulers import SCHEDULERS
 from ..spec.engine import adapt_target
 from ..plugins import drafter_kinds
 from .dispatch import StatsSlot, checkpoint_config, drafter_options, local, preloaded
@@ -23,6 +24,12 @@ mlx-dspark (hidden-state speculative drafters, e.g. DeepSeek DSpark/DFlash):
                                  1 .. its trained block size (the default)
   --draft-confidence-threshold T verify drafts only up to the first whose
                                  confidence is below T (DSpark; default 0: all)
+  --draft-scheduler {fixed,threshold,cost}
+                                 drafts verified per round (DSpark): all, up to
+                                 the threshold, or as many as maximise expected
+                                 tokens/s on this machine (measured costs)
+  --draft-calibration FILE       the confidence calibration to use (default:
+                                 the one `mlx_dspark calibrate` saved, if any)
   --draft-kv-view {transformers,clean}
                                  the K/V a Gemma-4 assistant sees (default
                                  transformers': drafts match transformers')
@@ -44,6 +51,8 @@ def _parser(with_processors: bool) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--draft-confidence-threshold", type=float, default=0.0)
     parser.add_argument("--draft-kv-view", choices=("transformers", "clean"))
+    parser.add_argument("--draft-scheduler", choices=SCHEDULERS)
+    parser.add_argument("--draft-calibration")
     if with_processors:
         parser.add_argument("--repetition-penalty", type=float)
         parser.add_argument("--repetition-context-size", type=int, default=20)
@@ -95,6 +104,10 @@ def prepare(argv: List[str], with_processors: bool = False) -> Tuple[List[str], 
         options["confidence_threshold"] = ours.draft_confidence_threshold
     if ours.draft_kv_view is not None:
         options["kv_view"] = ours.draft_kv_view
+    if ours.draft_scheduler is not None:
+        options["scheduler"] = ours.draft_scheduler
+    if ours.draft_calibration is not None:
+        options["calibration"] = ours.draft_calibration
     args = _probe(rest)
     config = checkpoint_config(args.draft_model) if args.draft_model else None
     if config is None or not any(kind.detect(config) for kind in drafter_kinds()):

@@ -29,6 +29,9 @@ from mlx_lm.models.cache import RotatingKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..cache import SlidingWindowKVCache
+from ..confidence.calibration import survival
+from ..confidence.costs import RoundTimer
+from ..confidence.schedulers import scheduler_for
 from ..drafters.base import Proposal
 from ..plugins import find_target_adapter
 from .acceptance import greedy_accept, rejection_accept
@@ -138,6 +141,7 @@ def speculative_generate_step(
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     stop_tokens: Sequence[int] = (),
     stats: Optional[SpeculativeStats] = None,
+    scheduler=None,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Speculative decoding with a hidden-state drafter, lossless.
 
@@ -147,7 +151,10 @@ def speculative_generate_step(
     them. ``sampler`` and ``logits_processors`` are mlx-lm's; the sampler
     decides the acceptance rule (see the module docstring). ``stop_tokens``
     end a round inside the accepted drafts (so no work is done past them);
-    ``stats``, if given, is filled in as rounds complete. A ``prompt_cache``
+    ``stats``, if given, is filled in as rounds complete. ``scheduler``
+    (``"fixed"``, ``"threshold"``, ``"cost"`` or a scheduler object, see
+    ``mlx_dspark.confidence.schedulers``) decides how many drafts each round
+    verifies; by default the one the drafter was loaded with. A ``prompt_cache``
     (see ``make_prompt_cache``) afterwards holds the prompt and every yielded
     token, target and drafter alike, as after mlx-lm's ``generate_step``.
     """
@@ -180,13 +187,30 @@ def speculative_generate_step(
     stats.acceptance_rule = rule
     stop_tokens = set(stop_tokens)
     taps = drafter.taps
-    threshold = drafter.confidence_threshold
+    scheduler = scheduler_for(scheduler, drafter)
+    stats.scheduler = scheduler.name
+    calibration = getattr(drafter, "calibration", None)
+    temperatures = calibration.temperatures if calibration else None
     progress = prompt_progress_callback or (lambda *_: None)
 
     def forward(tokens):
         """Target forward on new tokens; the drafter takes in their taps only
         once they are final (see ``commit``)."""
         return target(tokens[None], target_cache, taps)
+
+    def time_verify(n):
+        out = forward(mx.repeat(anchor.reshape(1), n))
+        for c in target_cache:
+            c.trim(n)
+        return out.logits, out.hidden
+
+    def time_draft():
+        proposal = drafter.propose(
+            draft_cache, anchor, num_draft_tokens, target_cache=target_cache
+        )
+        return proposal.tokens, proposal.confidence
+
+    timer = RoundTimer(model, drafter, time_verify, time_draft)
 
     def processed_log_probs(logits, context):
         """mlx-lm's ``generate_step`` for one position: the processors see
@@ -302,11 +326,9 @@ def speculative_generate_step(
                         target_cache=target_cache,
                     )
                 num_verify = num_drafts
-                if threshold > 0 and num_drafts:
-                    confident = mx.sigmoid(proposal.confidence) >= threshold
-                    num_verify = int(
-                        mx.cumprod(confident.astype(mx.int32)).sum().item()
-                    )
+                if scheduler.needs_confidence and num_drafts:
+                    logits = proposal.confidence[:num_drafts].tolist()
+                    num_verify = scheduler.choose(logits, start, timer)
                 else:
                     # Let the device draft while the host builds the verify.
                     mx.async_eval(proposal.tokens)
@@ -331,19 +353,20 @@ def speculative_generate_step(
                 for c in target_cache:
                     c.trim(num_verify - accepted)
                 drafter.commit(draft_cache, [h[:, : accepted + 1] for h in out.hidden])
+                confidence = predicted = None
+                if proposal.confidence is not None:
+                    confidence = proposal.confidence.tolist()
+                    predicted = sum(survival(confidence[:verified], temperatures))
                 stats.history.append(
                     Round(
                         start=start,
                         anchor=token,
                         drafts=proposal.tokens.tolist(),
-                        confidence=(
-                            None
-                            if proposal.confidence is None
-                            else proposal.confidence.tolist()
-                        ),
+                        confidence=confidence,
                         proposed=verified,
                         accepted=accepted,
                         next_token=next_token,
+                        predicted=predicted,
                     )
                 )
 

@@ -13,6 +13,8 @@ class Round:
     head), ``proposed`` how many were verified, ``accepted`` how many of those
     the target kept, and ``next_token`` the target's own token after them
     (``None`` when an accepted draft was a stop token, which ends the round).
+    ``predicted`` is the number of accepted drafts the (calibrated)
+    confidences predicted among those verified, ``Σ_{k<=proposed} a_k``.
     """
 
     start: int
@@ -22,6 +24,7 @@ class Round:
     proposed: int
     accepted: int
     next_token: Optional[int]
+    predicted: Optional[float] = None
 
     @property
     def acceptance_length(self) -> int:
@@ -34,6 +37,7 @@ class SpeculativeStats:
     drafter: str
     block_size: int
     acceptance_rule: str = "greedy"
+    scheduler: str = "fixed"
     history: List[Round] = field(default_factory=list)
 
     @property
@@ -48,6 +52,13 @@ class SpeculativeStats:
     @property
     def accepted(self) -> int:
         return sum(r.accepted for r in self.history)
+
+    @property
+    def predicted(self) -> Optional[float]:
+        """Accepted drafts the confidences predicted, over the rounds that
+        have a prediction (``None`` without a confidence head)."""
+        rounds = [r.predicted for r in self.history if r.predicted is not None]
+        return sum(rounds) if rounds else None
 
     @property
     def acceptance_lengths(self) -> List[int]:
@@ -78,9 +89,11 @@ class SpeculativeStats:
         return {
             "drafter": self.drafter,
             "acceptance_rule": self.acceptance_rule,
+            "scheduler": self.scheduler,
             "rounds": self.rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "predicted": None if self.predicted is None else round(self.predicted, 2),
             "tau": round(self.tau, 4),
             "acceptance_by_position": [
                 None if r is None else round(r, 4) for r in self.acceptance_by_position
@@ -91,9 +104,12 @@ class SpeculativeStats:
         by_position = " ".join(
             "-" if r is None else f"{r:.2f}" for r in self.acceptance_by_position
         )
+        predicted = (
+            "" if self.predicted is None else f" ({self.predicted:.1f} predicted)"
+        )
         return (
             f"{self.drafter} ({self.acceptance_rule}): {self.rounds} rounds, "
-            f"{self.accepted}/{self.drafted} "
-            f"drafts accepted, tau {self.tau:.2f} tokens/round, "
+            f"{self.scheduler} scheduler, {self.accepted}/{self.drafted} drafts "
+            f"accepted{predicted}, tau {self.tau:.2f} tokens/round, "
             f"acceptance by position [{by_position}]"
         )

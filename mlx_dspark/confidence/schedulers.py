@@ -1,0 +1,178 @@
+"""How many of a round's drafts to verify.
+
+- ``fixed``: all of them (DeepSpec's default, the paper's Table 1 setting);
+- ``threshold``: up to the first draft whose confidence ``σ(z_k)`` is below
+  a threshold (DeepSpec's ``--confidence-threshold``);
+- ``cost``: the paper's hardware-aware prefix scheduler (Algorithm 1), which
+  maximises expected tokens per second against the measured cost of a round on
+  this machine, with the calibrated confidences.
+
+Every rule is lossless: verifying any prefix of the drafts is. Under sampling
+a rule must also be *causal* (paper Appendix A): whether draft k is verified
+may depend on the confidences up to ``z_k`` (which sees drafts before k) but
+not on anything computed from draft k or later. Both confidence rules decide
+position by position and stop at the first refusal.
+"""
+
+from typing import Callable, List, Optional, Sequence
+
+from .calibration import Calibration, sigmoid, survival
+from .costs import CostProfile, RoundTimer, profile_path
+
+
+def prefix_schedule(
+    survival_by_request: Sequence[Sequence[float]],
+    steps_per_second: Callable[[int], float],
+) -> List[int]:
+    """Algorithm 1 of the paper: drafts to verify per request.
+
+    ``survival_by_request[r][j - 1]`` is ``a_{r,j}``, the predicted chance
+    that request r's drafts ``1..j`` all survive (non-increasing in j).
+    ``steps_per_second(n)`` is the target's verify rate for ``n`` tokens in
+    all. Every request verifies its anchor; drafts are admitted in order of
+    ``a`` (a request's own in position order) while the expected throughput
+    ``(R + Σ a) * steps_per_second(R + admitted)`` strictly improves, and the
+    search stops at the first draft that does not improve it (the causal
+    early stop).
+    """
+    requests = len(survival_by_request)
+    lengths = [0] * requests
+    tokens, expected = requests, float(requests)
+    best, chosen = expected * steps_per_second(tokens), list(lengths)
+    candidates = sorted(
+        (
+            (a, j, r)
+            for r, row in enumerate(survival_by_request)
+            for j, a in enumerate(row, start=1)
+            if a > 0
+        ),
+        key=lambda c: (-c[0], c[1], c[2]),
+    )
+    for a, j, r in candidates:
+        lengths[r] = j
+        tokens += 1
+        expected += a
+        throughput = expected * steps_per_second(tokens)
+        if throughput <= best:
+            break
+        best, chosen = throughput, list(lengths)
+    return chosen
+
+
+class FixedScheduler:
+    """Verify every draft."""
+
+    name = "fixed"
+    needs_confidence = False
+
+    def choose(self, logits: List[float], depth: int, timer: RoundTimer) -> int:
+        return len(logits)
+
+
+class ThresholdScheduler:
+    """Verify up to the first draft with ``σ(z_k) < threshold`` (the raw
+    confidence, as DeepSpec applies it)."""
+
+    name = "threshold"
+    needs_confidence = True
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def choose(self, logits: List[float], depth: int, timer: RoundTimer) -> int:
+        for k, confident in enumerate(sigmoid(logits) >= self.threshold):
+            if not confident:
+                return k
+        return len(logits)
+
+
+class CostScheduler:
+    """Algorithm 1 for one request, with the round's measured costs: the
+    verify of ``1 + ℓ`` tokens plus the draft, at the current depth."""
+
+    name = "cost"
+    needs_confidence = True
+
+    def __init__(self, temperatures: Sequence[float], cache_profiles: bool = True):
+        self.temperatures = list(temperatures)
+        self.cache_profiles = cache_profiles
+        self.profiles = {}
+
+    def profile(self, timer: RoundTimer) -> CostProfile:
+        if timer.key not in self.profiles:
+            path = profile_path(timer.key) if self.cache_profiles else None
+            self.profiles[timer.key] = CostProfile(path)
+        return self.profiles[timer.key]
+
+    def choose(self, logits: List[float], depth: int, timer: RoundTimer) -> int:
+        costs = self.profile(timer).costs(depth, len(logits) + 1, timer)
+        [length] = prefix_schedule(
+            [survival(logits, self.temperatures)], costs.rounds_per_second
+        )
+        return length
+
+
+SCHEDULERS = ("fixed", "threshold", "cost")
+
+
+def make_scheduler(
+    name: Optional[str],
+    threshold: float,
+    calibration: Optional[Calibration],
+    block_size: int,
+    has_confidence: bool,
+    where: str,
+):
+    """The scheduler a DeepSpec drafter is loaded with (``None``: ``threshold``
+    when a threshold is given, else ``fixed``)."""
+    if name is None:
+        name = "threshold" if threshold > 0 else "fixed"
+    if name not in SCHEDULERS:
+        raise ValueError(
+            f"scheduler must be one of {', '.join(SCHEDULERS)}, got {name!r}."
+        )
+    if name != "fixed" and not has_confidence:
+        raise ValueError(
+            f"{where} has no confidence head (a DFlash drafter), so it cannot use "
+            f"the {name} scheduler; use the fixed one (and confidence_threshold 0)."
+        )
+    if name == "threshold" and threshold <= 0:
+        raise ValueError(
+            "The threshold scheduler needs confidence_threshold in (0, 1]."
+        )
+    if name != "threshold" and threshold > 0:
+        raise ValueError(
+            f"confidence_threshold applies to the threshold scheduler, not {name}."
+        )
+    if name == "fixed":
+        return FixedScheduler()
+    if name == "threshold":
+        return ThresholdScheduler(threshold)
+    temperatures = calibration.temperatures if calibration else [1.0] * block_size
+    return CostScheduler(temperatures)
+
+
+def scheduler_for(choice, drafter):
+    """The scheduler for one generation: ``None`` (the drafter's own, or
+    ``fixed``), a name, or a scheduler object."""
+    if choice is None:
+        return getattr(drafter, "scheduler", None) or FixedScheduler()
+    if not isinstance(choice, str):
+        return choice
+    own = getattr(drafter, "scheduler", None)
+    if choice == "threshold" and not isinstance(own, ThresholdScheduler):
+        raise ValueError(
+            "The threshold scheduler takes its threshold from the drafter: load "
+            "it with confidence_threshold (--draft-confidence-threshold)."
+        )
+    if own is not None and own.name == choice:
+        return own
+    model = getattr(drafter, "model", None)
+    return make_scheduler(
+        choice,
+        0.0,
+        getattr(drafter, "calibration", None),
+        drafter.block_size,
+        getattr(model, "confidence_head", None) is not None,
+        getattr(drafter, "path", "this drafter"),
+    )
