@@ -136,7 +136,9 @@ def test_assistant_keeps_its_generation_config(tmp_path, capsys):
     assert mlx_dspark.load_drafter(out).block_size == 4
 
 
-def test_markov_w1_becomes_a_quantized_lookup_when_its_rank_fits(tmp_path, capsys):
+def test_groupable_markov_head_is_quantized_and_confidence_head_is_not(
+    tmp_path, capsys
+):
     config = json.loads((DSPARK / "config.json").read_text())
     config.update(markov_rank=32, markov_head_type="rnn")
     source = tmp_path / "rank32"
@@ -212,21 +214,25 @@ def occupied(tmp_path):
     return path
 
 
-# case: (lambda tmp_path, an 8-bit drafter: (source, out, options), the error)
+# case: (lambda tmp_path, an 8-bit drafter: (source, out, options), the error).
+# Options are checked before the source is looked at, even a missing one.
 BAD = {
     "bits": (
-        lambda tmp, q8: (DSPARK, tmp / "o", {"q_bits": 7}),
+        lambda tmp, q8: (tmp / "nope", tmp / "o", {"q_bits": 7}),
         "q_bits must be one of 2, 3, 4, 5, 6, 8, got 7",
     ),
     "group size": (
-        lambda tmp, q8: (DSPARK, tmp / "o", {"q_bits": 4, "q_group_size": 16}),
+        lambda tmp, q8: (tmp / "nope", tmp / "o", {"q_bits": 4, "q_group_size": 16}),
         "q_group_size must be one of 32, 64, 128, got 16",
     ),
     "dtype": (
-        lambda tmp, q8: (DSPARK, tmp / "o", {"dtype": "float8"}),
+        lambda tmp, q8: (tmp / "nope", tmp / "o", {"dtype": "float8"}),
         "dtype must be one of float32, bfloat16, float16, got 'float8'",
     ),
-    "nothing to do": (lambda tmp, q8: (DSPARK, tmp / "o", {}), "Nothing to convert"),
+    "nothing to do": (
+        lambda tmp, q8: (tmp / "nope", tmp / "o", {}),
+        "Nothing to convert",
+    ),
     "missing source": (
         lambda tmp, q8: (tmp / "nope", tmp / "o", {"q_bits": 4}),
         "No checkpoint directory at",
