@@ -1,0 +1,519 @@
+"""The confidence head at work: STS calibration (paper §3.2.1), the verify
+schedulers (Algorithm 1 and its causal early stop, Appendix A), and the
+engine under any schedule."""
+
+import json
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+import mlx_dspark
+from mlx_dspark import SpeculativeStats, speculative_generate_step
+from mlx_dspark.confidence.calibration import (
+    GRID,
+    Calibration,
+    Rounds,
+    auroc,
+    default_calibration_path,
+    drafter_fingerprint,
+    expected_calibration_error,
+    fit_sts,
+    metrics,
+    sigmoid,
+    survival,
+)
+from mlx_dspark.confidence.costs import CostProfile, RoundCosts, depth_bucket
+from mlx_dspark.confidence.schedulers import (
+    CostScheduler,
+    ThresholdScheduler,
+    prefix_schedule,
+)
+from mlx_dspark.spec.acceptance import rejection_accept
+
+from chisquare import goodness_of_fit
+from conftest import DEEPSPEC_TINY
+from tiny import gemma4_text_args, tiny_dspark, tiny_gemma4
+
+DSPARK = DEEPSPEC_TINY / "dspark_tiny_gemma4_block4"
+DFLASH = DEEPSPEC_TINY / "dflash_tiny_gemma4_block4"
+TARGET = DEEPSPEC_TINY / "target_tiny_gemma4"
+ALPHA = 1e-4
+
+
+@st.composite
+def verified_rounds(draw, max_block=5):
+    """Rounds with random confidence logits and prefix outcomes."""
+    block = draw(st.integers(1, max_block))
+    count = draw(st.integers(2, 60))
+    logits = draw(
+        st.lists(
+            st.lists(st.floats(-8, 8), min_size=block, max_size=block),
+            min_size=count,
+            max_size=count,
+        )
+    )
+    verified = draw(st.lists(st.integers(0, block), min_size=count, max_size=count))
+    accepted = [draw(st.integers(0, v)) for v in verified]
+    return Rounds(np.array(logits), np.array(verified), np.array(accepted))
+
+
+# -- metrics ------------------------------------------------------------------
+
+
+@given(st.lists(st.tuples(st.floats(0, 1), st.booleans()), min_size=1, max_size=200))
+def test_ece_is_the_bin_weighted_gap_between_confidence_and_accuracy(pairs):
+    predicted = np.array([p for p, _ in pairs])
+    labels = np.array([float(y) for _, y in pairs])
+    expected = 0.0
+    for b in range(20):
+        members = [
+            (p, y) for p, y in zip(predicted, labels) if min(int(p * 20), 19) == b
+        ]
+        if members:
+            gap = np.mean([p for p, _ in members]) - np.mean([y for _, y in members])
+            expected += len(members) / len(pairs) * abs(gap)
+    assert expected_calibration_error(predicted, labels)[0] == pytest.approx(expected)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([0.1, 0.3, 0.5, 0.9]), st.booleans()),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_auroc_is_the_chance_a_positive_outranks_a_negative(pairs):
+    predicted = np.array([p for p, _ in pairs])
+    labels = np.array([float(y) for _, y in pairs])
+    positives = [p for p, y in pairs if y]
+    negatives = [p for p, y in pairs if not y]
+    if not positives or not negatives:
+        assert auroc(predicted, labels) is None
+        return
+    wins = sum((p > n) + 0.5 * (p == n) for p in positives for n in negatives)
+    expected = wins / (len(positives) * len(negatives))
+    assert auroc(predicted, labels) == pytest.approx(expected)
+
+
+# -- STS ----------------------------------------------------------------------
+
+
+@given(
+    st.lists(st.floats(-20, 20), min_size=2, max_size=30),
+    st.sampled_from(list(GRID)),
+)
+def test_temperature_scaling_preserves_order_within_a_position(logits, temperature):
+    scaled = sigmoid(np.array(logits) / temperature)
+    for i, j in zip(np.argsort(logits)[:-1], np.argsort(logits)[1:]):
+        assert scaled[i] <= scaled[j]
+
+
+@given(
+    st.lists(st.floats(-30, 30), min_size=1, max_size=8),
+    st.lists(st.sampled_from(list(GRID)), min_size=8, max_size=8),
+)
+def test_calibrated_survival_never_increases_with_position(logits, temperatures):
+    a = survival(logits, temperatures)
+    assert all(0 <= later <= earlier <= 1 for earlier, later in zip(a, a[1:]))
+
+
+@given(verified_rounds())
+def test_fitted_temperatures_stay_within_the_grid(rounds):
+    temperatures = fit_sts(rounds)
+    assert len(temperatures) == rounds.logits.shape[1]
+    assert all(GRID[0] <= t <= GRID[-1] for t in temperatures)
+    assert all(t in GRID or t == 1.0 for t in temperatures)
+
+
+@given(verified_rounds())
+def test_each_fitted_temperature_lowers_its_positions_ece(rounds):
+    """At each position the fitted temperature is no worse than leaving that
+    position unscaled (the earlier positions' temperatures fixed), so at the
+    first position the fitted ECE is at most the uncalibrated one."""
+    temperatures = fit_sts(rounds)
+    fitted = metrics(rounds, temperatures)
+    for m in fitted:
+        k = m["position"]
+        unscaled = temperatures[: k - 1] + [1.0] * (len(temperatures) - k + 1)
+        assert m["ece"] <= metrics(rounds, unscaled)[k - 1]["ece"] + 1e-12
+    if fitted:
+        raw = metrics(rounds, [1.0] * len(temperatures))
+        assert fitted[0]["ece"] <= raw[0]["ece"] + 1e-12
+
+
+def overconfident_rounds(true_temperature=3.0, count=20_000, block=3, seed=0):
+    """Rounds from a head whose true conditionals are ``σ(z / 3)``."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0.0, 3.0, size=(count, block))
+    survives = rng.random((count, block)) < sigmoid(logits / true_temperature)
+    accepted = np.cumprod(survives, axis=1).sum(axis=1)
+    return Rounds(logits, np.full(count, block), accepted)
+
+
+def test_sts_recovers_the_temperature_of_an_overconfident_head():
+    rounds = overconfident_rounds()
+    temperatures = fit_sts(rounds)
+    assert temperatures[:2] == pytest.approx([3.0, 3.0], rel=0.15)
+    before = metrics(rounds, [1.0] * 3)
+    after = metrics(rounds, temperatures)
+    for b, a in zip(before, after):
+        assert a["ece"] < 0.02 < b["ece"]
+        assert a["brier"] < b["brier"]
+        assert a["auroc"] == pytest.approx(b["auroc"], abs=0.02)
+
+
+def test_calibration_files_round_trip_and_refuse_other_drafters(tmp_path):
+    path = tmp_path / "cal.json"
+    Calibration([1.5, 2.0, 0.7, 1.0], drafter="abc", rounds=10).save(path)
+    assert Calibration.load(path, "abc", 4).temperatures == [1.5, 2.0, 0.7, 1.0]
+    with pytest.raises(ValueError, match="made for another drafter"):
+        Calibration.load(path, "xyz", 4)
+    with pytest.raises(ValueError, match="needs 7 positive temperatures"):
+        Calibration.load(path, "abc", 7)
+    with pytest.raises(ValueError, match="No calibration file"):
+        Calibration.load(tmp_path / "missing.json", "abc", 4)
+    (tmp_path / "other.json").write_text(json.dumps({"temperatures": [1]}))
+    with pytest.raises(ValueError, match="not an mlx-dspark calibration file"):
+        Calibration.load(tmp_path / "other.json", "abc", 1)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="cannot be read"):
+        Calibration.load(tmp_path / "bad.json", "abc", 1)
+
+
+def test_loading_picks_up_the_saved_calibration(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    assert mlx_dspark.load_drafter(DSPARK).calibration is None
+    fingerprint = drafter_fingerprint(DSPARK)
+    Calibration([2.0, 1.0, 0.5, 1.0], drafter=fingerprint).save(
+        default_calibration_path(fingerprint)
+    )
+    assert mlx_dspark.load_drafter(DSPARK).calibration.temperatures[0] == 2.0
+    assert mlx_dspark.load_drafter(DSPARK, calibration=False).calibration is None
+    explicit = tmp_path / "explicit.json"
+    Calibration([3.0, 1.0, 1.0, 1.0], drafter=fingerprint).save(explicit)
+    drafter = mlx_dspark.load_drafter(DSPARK, calibration=explicit)
+    assert drafter.calibration.temperatures[0] == 3.0
+
+
+# -- schedulers -----------------------------------------------------------------
+
+
+@st.composite
+def schedule_cases(draw):
+    """Conditionals for one request, a perturbation of those after position
+    k, and a verify rate for 1..block+1 tokens."""
+    block = draw(st.integers(1, 7))
+    conditionals = draw(st.lists(st.floats(0, 1), min_size=block, max_size=block))
+    k = draw(st.integers(0, block))
+    perturbed = conditionals[:k] + draw(
+        st.lists(st.floats(0, 1), min_size=block - k, max_size=block - k)
+    )
+    rates = draw(st.lists(st.floats(0.05, 2.0), min_size=block + 1, max_size=block + 1))
+    return conditionals, perturbed, k, rates
+
+
+@given(schedule_cases())
+def test_the_decision_to_verify_draft_k_never_looks_at_later_confidences(case):
+    """Non-anticipation: whether drafts 1..k are verified depends on the
+    confidences up to k only (those after k are computed from draft k on)."""
+    conditionals, perturbed, k, rates = case
+
+    def rate(tokens):
+        return rates[tokens - 1]
+
+    [length] = prefix_schedule([np.cumprod(conditionals).tolist()], rate)
+    [other] = prefix_schedule([np.cumprod(perturbed).tolist()], rate)
+    assert min(length, k) == min(other, k)
+
+
+@given(
+    st.lists(
+        st.lists(st.floats(0.01, 1), min_size=1, max_size=5), min_size=1, max_size=4
+    ),
+    st.lists(st.floats(0.05, 2.0), min_size=25, max_size=25),
+)
+def test_batched_schedule_admits_request_prefixes_by_confidence(requests, rates):
+    survival_by_request = [np.cumprod(c).tolist() for c in requests]
+
+    def rate(tokens):
+        return rates[tokens - 1]
+
+    lengths = prefix_schedule(survival_by_request, rate)
+    admitted = [a for row, n in zip(survival_by_request, lengths) for a in row[:n]]
+    refused = [a for row, n in zip(survival_by_request, lengths) for a in row[n:]]
+    assert all(0 <= n <= len(row) for row, n in zip(survival_by_request, lengths))
+    if admitted and refused:
+        assert min(admitted) >= max(refused)
+    # Each admission improved the expected throughput over the one before.
+    tokens, expected = len(requests), float(len(requests))
+    best = expected * rate(tokens)
+    for a in sorted(admitted, reverse=True):
+        tokens, expected = tokens + 1, expected + a
+        assert expected * rate(tokens) > best
+        best = expected * rate(tokens)
+
+
+def retrospective_schedule(survival_by_position, rate):
+    """Appendix A's biased alternative: the best prefix over all lengths,
+    with no early stop (it looks at confidences of later drafts)."""
+    throughput = [
+        (1 + sum(survival_by_position[:n])) * rate(1 + n)
+        for n in range(len(survival_by_position) + 1)
+    ]
+    return int(np.argmax(throughput))
+
+
+APPENDIX_A_RATES = {1: 1.0, 2: 0.5, 3: 0.45}
+
+
+@pytest.mark.parametrize("c2, retrospective", [(0.9, 2), (0.0, 0)])
+def test_appendix_a_causal_scheduler_stops_where_the_retrospective_one_peeks(
+    c2, retrospective
+):
+    a = [0.8, 0.8 * c2]
+    assert prefix_schedule([a], APPENDIX_A_RATES.get) == [0]
+    assert retrospective_schedule(a, APPENDIX_A_RATES.get) == retrospective
+
+
+def simulate_first_two_tokens(schedule, rates, trials, seed=0):
+    """Appendix A's round, many times: target p = (0.7, 0.3) at every
+    position, drafts x1, x2 ~ q = (0.5, 0.5), c1 = 0.8 and c2 = 0.9 if
+    x1 = A else 0. Verifies the scheduled prefix by rejection sampling and
+    returns the counts of the first two tokens emitted (the second drawn
+    from the target when the round emits one token, as the next round does).
+    """
+    rng = random.Random(seed)
+    mx.random.seed(seed)
+    p = mx.log(mx.array([0.7, 0.3]))
+    q = mx.log(mx.array([0.5, 0.5]))
+    counts = {}
+    for _ in range(trials):
+        drafts = [rng.randrange(2), rng.randrange(2)]
+        a = [0.8, 0.8 * (0.9 if drafts[0] == 0 else 0.0)]
+        n = schedule(a, rates.get)
+        accepted, tokens = rejection_accept(
+            mx.array(drafts[:n], mx.uint32),
+            mx.broadcast_to(q, (n, 2)),
+            mx.broadcast_to(p, (n + 1, 2)),
+            mx.random.uniform(shape=(n + 1,)),
+        )
+        emitted = tokens[: accepted.item() + 1].tolist()
+        if len(emitted) == 1:
+            emitted.append(int(rng.random() >= 0.7))
+        key = tuple(emitted[:2])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_appendix_a_causal_schedule_keeps_the_target_distribution():
+    """With rates where the scheduler verifies x2 exactly when x1 makes c2
+    high, the first two tokens are still i.i.d. from the target."""
+    rates = {1: 1.0, 2: 0.8, 3: 0.7}
+
+    def causal(a, rate):
+        return prefix_schedule([a], rate)[0]
+
+    counts = simulate_first_two_tokens(causal, rates, trials=4000)
+    joint = {(i, j): [0.7, 0.3][i] * [0.7, 0.3][j] for i in (0, 1) for j in (0, 1)}
+    assert goodness_of_fit(counts, joint) > ALPHA
+
+
+def test_appendix_a_retrospective_schedule_biases_the_output():
+    """The counterexample itself: without the early stop, P(first = A) is
+    0.85, not the target's 0.7."""
+    counts = simulate_first_two_tokens(
+        retrospective_schedule, APPENDIX_A_RATES, trials=4000
+    )
+    first = {0: 0, 1: 0}
+    for (i, _), c in counts.items():
+        first[i] += c
+    assert goodness_of_fit(first, {0: 0.7, 1: 0.3}) < ALPHA
+    assert first[0] / 4000 == pytest.approx(0.85, abs=0.03)
+
+
+def test_threshold_scheduler_verifies_up_to_the_first_unconfident_draft():
+    scheduler = ThresholdScheduler(0.5)
+    assert scheduler.choose([2.0, 0.1, -0.1, 3.0], 0, None) == 2
+    assert scheduler.choose([-1.0, 2.0], 0, None) == 0
+    assert scheduler.choose([1.0, 1.0], 0, None) == 2
+
+
+class CountingTimer:
+    """A stand-in for the engine's RoundTimer with fixed costs."""
+
+    key = "test"
+
+    def __init__(self, draft, verify):
+        self.costs = RoundCosts(draft, verify)
+        self.calls = 0
+
+    def __call__(self, tokens):
+        self.calls += 1
+        return RoundCosts(self.costs.draft, self.costs.verify[:tokens])
+
+
+def test_cost_profiles_are_measured_once_per_depth_and_kept_on_disk(tmp_path):
+    path = tmp_path / "profile.json"
+    timer = CountingTimer(0.002, [0.01, 0.011, 0.012, 0.013, 0.014])
+    profile = CostProfile(path)
+    assert profile.costs(100, 5, timer).verify == timer.costs.verify
+    profile.costs(400, 5, timer)  # same bucket
+    assert timer.calls == 1
+    profile.costs(600, 5, timer)  # next bucket
+    assert timer.calls == 2
+    assert depth_bucket(100) == depth_bucket(512) == 512 != depth_bucket(513)
+    # A new process reads the measurements back.
+    assert CostProfile(path).costs(300, 5, timer).draft == 0.002
+    assert timer.calls == 2
+    # Stale or too short entries are measured again.
+    CostProfile(path, max_age=0.0).costs(300, 5, timer)
+    assert timer.calls == 3
+    CostProfile(path).costs(300, 6, CountingTimer(0.002, [0.01] * 6))
+    assert len(json.loads(path.read_text())["512"]["verify"]) == 6
+
+
+@pytest.mark.parametrize(
+    "verify, expected",
+    [
+        ([0.010] * 5, 4),  # verify costs nothing extra: verify every draft
+        ([0.010, 0.030, 0.050, 0.070, 0.090], 0),  # each token is dear
+        ([0.010, 0.011, 0.012, 0.040, 0.041], 2),  # a cliff after three tokens
+    ],
+)
+def test_cost_scheduler_follows_the_measured_costs(tmp_path, verify, expected):
+    scheduler = CostScheduler([1.0] * 4, cache_profiles=False)
+    logits = [3.0, 2.0, 1.5, 1.0]  # survival 0.95, 0.84, 0.68, 0.50
+    assert scheduler.choose(logits, 64, CountingTimer(0.002, verify)) == expected
+
+
+# -- the engine -------------------------------------------------------------------
+
+
+class RandomScheduler:
+    """Verifies a random prefix each round."""
+
+    name = "random"
+    needs_confidence = True
+
+    def __init__(self, seed):
+        self.random = random.Random(seed)
+        self.chosen = []
+
+    def choose(self, logits, depth, timer):
+        self.chosen.append(self.random.randint(0, len(logits)))
+        return self.chosen[-1]
+
+
+def plain_greedy(model, prompt, max_tokens):
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+def speculative(model, drafter, prompt, max_tokens, **kwargs):
+    stats = SpeculativeStats(drafter.name, drafter.block_size)
+    steps = speculative_generate_step(
+        mx.array(prompt), model, drafter, max_tokens=max_tokens, stats=stats, **kwargs
+    )
+    return [t for t, _, _ in steps], stats
+
+
+@given(
+    seed=st.integers(0, 10_000),
+    block_size=st.integers(1, 6),
+    window=st.integers(2, 6),
+    prompt=st.lists(st.integers(0, 95), min_size=1, max_size=20),
+    max_tokens=st.integers(1, 40),
+)
+def test_any_schedule_is_lossless(seed, block_size, window, prompt, max_tokens):
+    model = tiny_gemma4(seed=seed, layers=3, window=window)
+    drafter = tiny_dspark(
+        gemma4_text_args(layers=3, window=window),
+        seed=seed + 1,
+        block_size=block_size,
+        taps=(0, 1),
+    )
+    scheduler = RandomScheduler(seed)
+    ours, stats = speculative(model, drafter, prompt, max_tokens, scheduler=scheduler)
+    assert ours == plain_greedy(model, prompt, max_tokens)
+    assert stats.scheduler == "random"
+    assert [r.proposed for r in stats.history] == scheduler.chosen
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    model, _ = load(str(TARGET))
+    return model, mlx_dspark.load_drafter(DSPARK, calibration=False)
+
+
+def test_cost_scheduler_in_the_engine_is_lossless_and_predicts(
+    tiny_pair, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    model, drafter = tiny_pair
+    prompt = [65, 211, 266, 241, 234, 10, 325, 168]
+    ours, stats = speculative(model, drafter, prompt, 60, scheduler="cost")
+    assert ours == plain_greedy(model, prompt, 60)
+    assert stats.scheduler == "cost"
+    assert all(r.predicted is not None for r in stats.history)
+    assert stats.predicted == pytest.approx(sum(r.predicted for r in stats.history))
+    assert "cost scheduler" in stats.summary()
+    # The measured costs went to the cache, one file per target and drafter.
+    [profile] = (tmp_path / "verify-cost").glob("*.json")
+    assert len(json.loads(profile.read_text())["512"]["verify"]) == 5
+
+
+def test_a_drafts_confidence_never_sees_that_draft(tiny_pair):
+    """c_k is computed from the drafts before k only: changing draft k
+    changes no confidence up to k (what makes the schedulers causal)."""
+    _, drafter = tiny_pair
+    model, _ = tiny_pair
+    from mlx_dspark.spec.engine import adapt_target
+
+    target = adapt_target(model, drafter)
+    target_cache, draft_cache = target.make_cache(5), drafter.make_cache()
+    out = target(mx.array([[65, 211, 266, 241, 234]]), target_cache, drafter.taps)
+    drafter.commit(draft_cache, out.hidden)
+    anchor = mx.array(10, mx.uint32)
+
+    def forcing(position, token):
+        drawn = []
+
+        def draw(logits):
+            choice = mx.argmax(logits, axis=-1)
+            if len(drawn) == position:
+                choice = mx.array([token])
+            drawn.append(choice)
+            return choice, None
+
+        return draw
+
+    base = drafter.propose(draft_cache, anchor, 4, forcing(-1, 0))
+    for position in range(4):
+        other_token = (base.tokens[position].item() + 7) % 512
+        changed = drafter.propose(
+            draft_cache, anchor, 4, forcing(position, other_token)
+        )
+        assert changed.tokens[position].item() == other_token
+        same = slice(0, position + 1)
+        assert mx.array_equal(changed.confidence[same], base.confidence[same])
+        if position < 3:
+            assert not mx.array_equal(changed.confidence, base.confidence)
+
+
+def test_scheduler_options_are_checked():
+    with pytest.raises(ValueError, match="no confidence head.*cost scheduler"):
+        mlx_dspark.load_drafter(DFLASH, scheduler="cost")
+    with pytest.raises(ValueError, match="needs confidence_threshold in"):
+        mlx_dspark.load_drafter(DSPARK, scheduler="threshold")
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        mlx_dspark.load_drafter(DSPARK, scheduler="fastest")
+    with pytest.raises(ValueError, match="applies to the threshold scheduler, not"):
+        mlx_dspark.load_drafter(DSPARK, scheduler="cost", confidence_threshold=0.5)
+    drafter = mlx_dspark.load_drafter(DSPARK, confidence_threshold=0.5)
+    assert drafter.scheduler.name == "threshold"
+    assert mlx_dspark.load_drafter(DSPARK, scheduler="cost").scheduler.name == "cost"
