@@ -5,21 +5,25 @@
 explicitly: every mlx-lm flag passes through. They work without the
 auto-activation (for example with ``MLX_DSPARK_DISABLE=1``, or on Python
 versions that no longer run ``.pth`` import lines). mlx-dspark's own
-commands (``convert``) are modules with a ``main(argv)``.
+commands (``convert``, ``calibrate``) are modules with a ``main(argv)``.
 """
 
 import importlib
 import sys
 
 MLX_LM_COMMANDS = {"generate": "mlx_lm.generate", "server": "mlx_lm.server"}
-OWN_COMMANDS = {"convert": "mlx_dspark.convert"}
+OWN_COMMANDS = {
+    "convert": "mlx_dspark.convert",
+    "calibrate": "mlx_dspark.confidence.calibrate",
+}
 
 USAGE = """\
-usage: mlx_dspark {generate,server,convert} [flags ...]
+usage: mlx_dspark {generate,server,convert,calibrate} [flags ...]
 
   generate   mlx_lm.generate with hidden-state drafters (--draft-model)
   server     mlx_lm.server with hidden-state drafters (--draft-model)
   convert    write a quantized (--q-bits) or re-typed (--dtype) drafter
+  calibrate  fit a DSpark drafter's confidence calibration (STS) on prompts
 
 Run `mlx_dspark COMMAND --help` for its flags."""
 

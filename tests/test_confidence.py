@@ -3,7 +3,11 @@ schedulers (Algorithm 1 and its causal early stop, Appendix A), and the
 engine under any schedule."""
 
 import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -521,3 +525,99 @@ def test_scheduler_options_are_checked():
     drafter = mlx_dspark.load_drafter(DSPARK, confidence_threshold=0.5)
     assert drafter.scheduler.name == "threshold"
     assert mlx_dspark.load_drafter(DSPARK, scheduler="cost").scheduler.name == "cost"
+
+
+# -- the commands -------------------------------------------------------------------
+
+BIN = Path(sys.executable).parent
+SHIPPED = Path(__file__).parent.parent / "examples" / "calibration"
+PROMPT = "w65 w211 w266 w241 w234"
+
+
+def run(*args, **environment):
+    env = {k: v for k, v in os.environ.items() if k != "MLX_DSPARK_DISABLE"}
+    return subprocess.run(
+        [str(BIN / args[0]), *map(str, args[1:])],
+        capture_output=True,
+        text=True,
+        env={**env, **environment},
+        timeout=300,
+    )
+
+
+def test_calibrate_command_writes_what_loading_picks_up(tmp_path, monkeypatch):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "\n".join(
+            json.dumps(record)
+            for record in (
+                {"prompt": "w490 w82 w207 w338 w29"},
+                {"text": "w470 w264 w114 w24 w49 w227"},
+                {"messages": [{"role": "user", "content": "w40 w128 w51 w287"}]},
+                {"prompt": "w13 w327 w255 w186 w167"},
+            )
+        )
+    )
+    result = run(
+        "mlx_dspark",
+        "calibrate",
+        "--model",
+        TARGET,
+        "--draft-model",
+        DSPARK,
+        "--prompts",
+        prompts,
+        "--max-tokens",
+        24,
+        MLX_DSPARK_CACHE=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "[4/4]" in result.stderr
+    assert "ECE before/after" in result.stdout and "held out" in result.stdout
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    calibration = mlx_dspark.load_drafter(DSPARK).calibration
+    assert len(calibration.temperatures) == 4 and calibration.rounds > 0
+    assert calibration.report["held_out"]["after"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--draft-model", DFLASH), "has no confidence head"),
+        (("--holdout", 1.5), "--holdout must be in"),
+        (("--max-tokens", 0), "--max-tokens must be positive"),
+        (("--prompts", "/nonexistent.txt"), "Cannot read the prompts file"),
+    ],
+)
+def test_calibrate_command_refuses_bad_input(tmp_path, args, message):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPT + "\n")
+    defaults = {"--model": TARGET, "--draft-model": DSPARK, "--prompts": prompts}
+    defaults.update(dict(zip(args[::2], args[1::2])))
+    flags = [str(x) for pair in defaults.items() for x in pair]
+    result = run("mlx_dspark", "calibrate", *flags, MLX_DSPARK_CACHE=str(tmp_path))
+    assert result.returncode == 1
+    assert result.stderr.strip().startswith("mlx_dspark calibrate: error:")
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_generate_with_the_cost_scheduler_and_shipped_calibration(tmp_path):
+    common = ("--model", TARGET, "--prompt", PROMPT, "--max-tokens", 40)
+    common += ("--ignore-chat-template",)
+    plain = run("mlx_lm.generate", *common)
+    ours = run(
+        "mlx_lm.generate",
+        *common,
+        "--draft-model",
+        DSPARK,
+        "--draft-scheduler",
+        "cost",
+        "--draft-calibration",
+        SHIPPED / "dspark_tiny_gemma4_block4.json",
+        MLX_DSPARK_CACHE=str(tmp_path),
+    )
+    assert ours.returncode == 0, ours.stderr
+    text = plain.stdout.split("==========")[1]
+    assert ours.stdout.split("==========")[1] == text
+    assert "cost scheduler" in ours.stdout and "predicted" in ours.stdout

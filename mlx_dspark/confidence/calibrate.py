@@ -157,14 +157,18 @@ def format_report(report: dict, temperatures) -> str:
     return "\n".join(lines)
 
 
-def calibrate(
-    model, tokenizer, drafter, target_name: str, prompts, args
-) -> Calibration:
+def require_confidence(drafter) -> None:
     if getattr(getattr(drafter, "model", None), "confidence_head", None) is None:
         raise ValueError(
             f"{drafter!r} has no confidence head; only DSpark drafters have "
             "confidences to calibrate."
         )
+
+
+def calibrate(
+    model, tokenizer, drafter, target_name: str, prompts, args
+) -> Calibration:
+    """Collect rounds, fit on some prompts, report on all."""
     collected = collect(model, tokenizer, drafter, prompts, args)
     fit_ids, held_ids = split(len(prompts), args.holdout, args.seed)
 
@@ -240,7 +244,11 @@ def main(argv=None) -> int:
             raise ValueError(f"--holdout must be in [0, 1), got {args.holdout}.")
         prompts = read_prompts(args.prompts)
         drafter = load_drafter(args.draft_model)
-        model, tokenizer = load(args.model)
+        require_confidence(drafter)
+        try:
+            model, tokenizer = load(args.model)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"Cannot load the target {args.model}: {e}") from None
         mx.random.seed(args.seed)
         calibration = calibrate(model, tokenizer, drafter, args.model, prompts, args)
     except (ValueError, OSError) as e:
