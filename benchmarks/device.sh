@@ -10,3 +10,4 @@ python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mlx_lm.__versio
 python3 speculative.py --json > "$OUT/tiny.json"
 python3 speculative.py --json --drafter assistant >> "$OUT/tiny.json"
 python3 suite.py --out "$OUT/suite.jsonl" "$@"
+python3 paired.py --out "$OUT/paired.jsonl"
