@@ -108,13 +108,6 @@ def main():
             target_path, drafter_path = PAIRS[pair]
             model, tokenizer = load(str(target_path))
             prompts = [mx.array(tokenizer.encode(p)) for p in PROMPTS]
-            plain = [
-                generate(
-                    partial(generate_step, p, model, max_tokens=args.max_tokens),
-                    args.repeats,
-                )
-                for p in prompts
-            ]
             precisions = {"float": drafter_path}
             for bits in args.bits:
                 out = Path(scratch) / f"{pair}-{bits}bit"
@@ -125,6 +118,15 @@ def main():
                 precisions[f"{bits}-bit"] = out
             for precision, path in precisions.items():
                 drafter = mlx_dspark.load_drafter(path)
+                # Plain decoding again next to each drafter, so that the
+                # speedup compares runs close in time on a busy machine.
+                plain = [
+                    generate(
+                        partial(generate_step, p, model, max_tokens=args.max_tokens),
+                        args.repeats,
+                    )
+                    for p in prompts
+                ]
                 row = {"pair": pair, "precision": precision}
                 row.update(
                     measure(
