@@ -57,9 +57,7 @@ def main():
         for p in prompts
     ]
     for name, options in SCHEDULERS.items():
-        drafter = mlx_dspark.load_drafter(
-            TINY / "dspark_tiny_gemma4_block4", **options
-        )
+        drafter = mlx_dspark.load_drafter(TINY / "dspark_tiny_gemma4_block4", **options)
         stats = mlx_dspark.SpeculativeStats(drafter.name, drafter.block_size)
         speeds, lossless = [], True
         for prompt, (plain_tokens, _) in zip(prompts, plain):
