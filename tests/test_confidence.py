@@ -5,6 +5,7 @@ engine under any schedule."""
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,8 @@ DSPARK = DEEPSPEC_TINY / "dspark_tiny_gemma4_block4"
 DFLASH = DEEPSPEC_TINY / "dflash_tiny_gemma4_block4"
 TARGET = DEEPSPEC_TINY / "target_tiny_gemma4"
 ALPHA = 1e-4
+BIN = Path(sys.executable).parent
+SHIPPED = Path(__file__).parent.parent / "examples" / "calibration"
 
 
 @st.composite
@@ -129,7 +132,7 @@ def test_calibrated_survival_never_increases_with_position(logits, temperatures)
 
 @given(verified_rounds())
 def test_fitted_temperatures_stay_within_the_grid(rounds):
-    temperatures = fit_sts(rounds)
+    temperatures = fit_sts(rounds, min_rounds=1)
     assert len(temperatures) == rounds.logits.shape[1]
     assert all(GRID[0] <= t <= GRID[-1] for t in temperatures)
     assert all(t in GRID or t == 1.0 for t in temperatures)
@@ -139,8 +142,10 @@ def test_fitted_temperatures_stay_within_the_grid(rounds):
 def test_each_fitted_temperature_lowers_its_positions_ece(rounds):
     """At each position the fitted temperature is no worse than leaving that
     position unscaled (the earlier positions' temperatures fixed), so at the
-    first position the fitted ECE is at most the uncalibrated one."""
-    temperatures = fit_sts(rounds)
+    first position the fitted ECE is at most the uncalibrated one. (Beyond
+    the first, left-to-right STS does not promise that: the prefix product
+    there already carries the earlier positions' temperatures.)"""
+    temperatures = fit_sts(rounds, min_rounds=1)
     fitted = metrics(rounds, temperatures)
     for m in fitted:
         k = m["position"]
@@ -172,6 +177,27 @@ def test_sts_recovers_the_temperature_of_an_overconfident_head():
         assert a["auroc"] == pytest.approx(b["auroc"], abs=0.02)
 
 
+def test_positions_with_few_rounds_keep_their_temperature():
+    rounds = overconfident_rounds(count=400)
+    rounds.verified[15:] = 1  # position 2 verified in 15 rounds only
+    rounds.accepted = np.minimum(rounds.accepted, rounds.verified)
+    temperatures = fit_sts(rounds)
+    assert temperatures[0] != 1.0 and temperatures[1:] == [1.0, 1.0]
+
+
+def test_a_retrained_checkpoint_gets_another_fingerprint(tmp_path):
+    """Same config, same file sizes, different weights."""
+    copy = tmp_path / "dspark"
+    shutil.copytree(DSPARK, copy)
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(reversed(data[middle : middle + 64]))
+    weights.write_bytes(bytes(data))
+    assert drafter_fingerprint(copy) != drafter_fingerprint(DSPARK)
+    assert drafter_fingerprint(DSPARK) == drafter_fingerprint(DSPARK)
+
+
 def test_calibration_files_round_trip_and_refuse_other_drafters(tmp_path):
     path = tmp_path / "cal.json"
     Calibration([1.5, 2.0, 0.7, 1.0], drafter="abc", rounds=10).save(path)
@@ -188,6 +214,18 @@ def test_calibration_files_round_trip_and_refuse_other_drafters(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="cannot be read"):
         Calibration.load(tmp_path / "bad.json", "abc", 1)
+    for temperatures in (5, [1.0, float("inf")], [1.0, -2.0], ["1", 1.0]):
+        (tmp_path / "odd.json").write_text(
+            json.dumps(
+                {
+                    "format": "mlx-dspark-sts/1",
+                    "temperatures": temperatures,
+                    "drafter": "abc",
+                }
+            )
+        )
+        with pytest.raises(ValueError, match="needs 2 positive temperatures"):
+            Calibration.load(tmp_path / "odd.json", "abc", 2)
 
 
 def test_loading_picks_up_the_saved_calibration(tmp_path, monkeypatch):
@@ -203,6 +241,21 @@ def test_loading_picks_up_the_saved_calibration(tmp_path, monkeypatch):
     Calibration([3.0, 1.0, 1.0, 1.0], drafter=fingerprint).save(explicit)
     drafter = mlx_dspark.load_drafter(DSPARK, calibration=explicit)
     assert drafter.calibration.temperatures[0] == 3.0
+    with pytest.raises(ValueError, match="takes no calibration"):
+        mlx_dspark.load_drafter(DFLASH, calibration=explicit)
+
+
+def test_a_broken_saved_calibration_is_skipped_with_a_warning(tmp_path, monkeypatch):
+    """It must not stop the drafter from loading (nor `calibrate` from
+    replacing it); a broken file named explicitly is an error."""
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    path = default_calibration_path(drafter_fingerprint(DSPARK))
+    path.parent.mkdir(parents=True)
+    path.write_text("{")
+    with pytest.warns(UserWarning, match="Ignoring the saved calibration"):
+        assert mlx_dspark.load_drafter(DSPARK).calibration is None
+    with pytest.raises(ValueError, match="cannot be read"):
+        mlx_dspark.load_drafter(DSPARK, calibration=path)
 
 
 # -- schedulers -----------------------------------------------------------------
@@ -261,6 +314,11 @@ def test_batched_schedule_admits_request_prefixes_by_confidence(requests, rates)
         tokens, expected = tokens + 1, expected + a
         assert expected * rate(tokens) > best
         best = expected * rate(tokens)
+
+
+def test_prefix_schedule_refuses_survival_that_grows():
+    with pytest.raises(ValueError, match="must not increase"):
+        prefix_schedule([[0.5, 0.7]], lambda tokens: 1.0)
 
 
 def retrospective_schedule(survival_by_position, rate):
@@ -359,31 +417,52 @@ class CountingTimer:
 
     def __init__(self, draft, verify):
         self.costs = RoundCosts(draft, verify)
+        self.drafts = len(verify) - 1
         self.calls = 0
 
-    def __call__(self, tokens):
+    def __call__(self):
         self.calls += 1
-        return RoundCosts(self.costs.draft, self.costs.verify[:tokens])
+        return self.costs
 
 
 def test_cost_profiles_are_measured_once_per_depth_and_kept_on_disk(tmp_path):
     path = tmp_path / "profile.json"
     timer = CountingTimer(0.002, [0.01, 0.011, 0.012, 0.013, 0.014])
     profile = CostProfile(path)
-    assert profile.costs(100, 5, timer).verify == timer.costs.verify
-    profile.costs(400, 5, timer)  # same bucket
+    assert profile.costs(100, timer).verify == timer.costs.verify
+    profile.costs(400, timer)  # same bucket
     assert timer.calls == 1
-    profile.costs(600, 5, timer)  # next bucket
+    profile.costs(600, timer)  # next bucket
     assert timer.calls == 2
     assert depth_bucket(100) == depth_bucket(512) == 512 != depth_bucket(513)
     # A new process reads the measurements back.
-    assert CostProfile(path).costs(300, 5, timer).draft == 0.002
+    assert CostProfile(path).costs(300, timer).draft == 0.002
     assert timer.calls == 2
-    # Stale or too short entries are measured again.
-    CostProfile(path, max_age=0.0).costs(300, 5, timer)
+    # Stale entries, and entries for another number of drafts, are measured again.
+    CostProfile(path, max_age=0.0).costs(300, timer)
     assert timer.calls == 3
-    CostProfile(path).costs(300, 6, CountingTimer(0.002, [0.01] * 6))
+    CostProfile(path).costs(300, CountingTimer(0.002, [0.01] * 6))
     assert len(json.loads(path.read_text())["512"]["verify"]) == 6
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        5,
+        {"draft": 0.002, "verify": "fast", "measured_at": 0},
+        {"draft": 0.0, "verify": [0.01] * 5, "measured_at": 0},
+        {"draft": 0.002, "verify": [0.01] * 5, "measured_at": "yesterday"},
+        {"draft": 0.002, "verify": [0.01] * 5, "measured_at": 1e12},  # future
+    ],
+)
+def test_malformed_cost_profiles_are_measured_again(tmp_path, entry):
+    path = tmp_path / "profile.json"
+    if isinstance(entry, dict) and entry["measured_at"] == 0:
+        entry["measured_at"] = __import__("time").time()
+    path.write_text(json.dumps({"512": entry}))
+    timer = CountingTimer(0.002, [0.01, 0.011, 0.012, 0.013, 0.014])
+    assert CostProfile(path).costs(100, timer).verify == timer.costs.verify
+    assert timer.calls == 1
 
 
 @pytest.mark.parametrize(
@@ -409,11 +488,14 @@ class RandomScheduler:
     name = "random"
     needs_confidence = True
 
-    def __init__(self, seed):
+    def __init__(self, seed, measure=False):
         self.random = random.Random(seed)
+        self.measure = measure
         self.chosen = []
 
     def choose(self, logits, depth, timer):
+        if self.measure and self.random.random() < 0.3:
+            timer()  # timing on the live caches must change nothing
         self.chosen.append(self.random.randint(0, len(logits)))
         return self.chosen[-1]
 
@@ -445,7 +527,7 @@ def test_any_schedule_is_lossless(seed, block_size, window, prompt, max_tokens):
         block_size=block_size,
         taps=(0, 1),
     )
-    scheduler = RandomScheduler(seed)
+    scheduler = RandomScheduler(seed, measure=True)
     ours, stats = speculative(model, drafter, prompt, max_tokens, scheduler=scheduler)
     assert ours == plain_greedy(model, prompt, max_tokens)
     assert stats.scheduler == "random"
@@ -473,6 +555,70 @@ def test_cost_scheduler_in_the_engine_is_lossless_and_predicts(
     # The measured costs went to the cache, one file per target and drafter.
     [profile] = (tmp_path / "verify-cost").glob("*.json")
     assert len(json.loads(profile.read_text())["512"]["verify"]) == 5
+
+
+class WrongScheduler:
+    name = "wrong"
+    needs_confidence = True
+
+    def __init__(self, choice):
+        self.choice = choice
+
+    def choose(self, logits, depth, timer):
+        return self.choice
+
+
+@pytest.mark.parametrize("choice", [-1, 5, 2.0, None])
+def test_a_scheduler_choice_out_of_range_is_refused(tiny_pair, choice):
+    model, drafter = tiny_pair
+    with pytest.raises(ValueError, match="a scheduler must return an int in"):
+        speculative(model, drafter, [65, 211], 20, scheduler=WrongScheduler(choice))
+
+
+SCHEDULED = {
+    "threshold": lambda: mlx_dspark.load_drafter(
+        DSPARK, confidence_threshold=0.4, calibration=False
+    ),
+    "cost": lambda: mlx_dspark.load_drafter(
+        DSPARK, scheduler="cost", calibration=SHIPPED / "dspark_tiny_gemma4_block4.json"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", [*SCHEDULED, "random"])
+def test_scheduled_sampling_keeps_the_targets_distribution(
+    name, tiny_pair, tmp_path, monkeypatch
+):
+    """At temperature 1 with every schedule, the first three tokens (the
+    prefill's, then two through a round of four drafts) have exactly the
+    target's joint distribution."""
+    from test_sampling import PROMPT as SAMPLING_PROMPT
+    from test_sampling import exact_distribution, sample_runs
+
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    model, _ = tiny_pair
+    drafter = SCHEDULED[name]() if name in SCHEDULED else tiny_pair[1]
+    scheduler = RandomScheduler(0, measure=True) if name == "random" else None
+    sampler = mlx_dspark.make_sampler(temp=1.0)
+    stats = SpeculativeStats(drafter.name, drafter.block_size)
+
+    def sample():
+        steps = speculative_generate_step(
+            mx.array(SAMPLING_PROMPT),
+            model,
+            drafter,
+            max_tokens=6,
+            sampler=sampler,
+            stats=stats,
+            scheduler=scheduler,
+        )
+        return [t for t, _, _ in steps][:3]
+
+    counts = sample_runs(sample, 600, 3)
+    verified = [r.proposed for r in stats.history if r.drafts]
+    assert stats.acceptance_rule == "rejection" and len(set(verified)) > 1
+    expected = exact_distribution(model, {"temp": 1.0}, {}, 3)
+    assert goodness_of_fit(counts, expected) > ALPHA
 
 
 def test_a_drafts_confidence_never_sees_that_draft(tiny_pair):
@@ -513,10 +659,22 @@ def test_a_drafts_confidence_never_sees_that_draft(tiny_pair):
             assert not mx.array_equal(changed.confidence, base.confidence)
 
 
+def test_cost_scheduler_warns_when_uncalibrated_or_calibrated_for_another_temperature(
+    tiny_pair, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    with pytest.warns(UserWarning, match="uncalibrated confidences"):
+        mlx_dspark.load_drafter(DSPARK, scheduler="cost", calibration=False)
+    model, _ = tiny_pair
+    drafter = SCHEDULED["cost"]()  # calibrated at temperature 0
+    with pytest.warns(UserWarning, match="fitted at temperature 0"):
+        speculative(model, drafter, [65, 211], 8, sampler=mlx_dspark.make_sampler(0.8))
+
+
 def test_scheduler_options_are_checked():
     with pytest.raises(ValueError, match="no confidence head.*cost scheduler"):
         mlx_dspark.load_drafter(DFLASH, scheduler="cost")
-    with pytest.raises(ValueError, match="needs confidence_threshold in"):
+    with pytest.raises(ValueError, match="needs confidence_threshold"):
         mlx_dspark.load_drafter(DSPARK, scheduler="threshold")
     with pytest.raises(ValueError, match="scheduler must be one of"):
         mlx_dspark.load_drafter(DSPARK, scheduler="fastest")
@@ -529,8 +687,6 @@ def test_scheduler_options_are_checked():
 
 # -- the commands -------------------------------------------------------------------
 
-BIN = Path(sys.executable).parent
-SHIPPED = Path(__file__).parent.parent / "examples" / "calibration"
 PROMPT = "w65 w211 w266 w241 w234"
 
 
@@ -587,6 +743,10 @@ def test_calibrate_command_writes_what_loading_picks_up(tmp_path, monkeypatch):
         (("--holdout", 1.5), "--holdout must be in"),
         (("--max-tokens", 0), "--max-tokens must be positive"),
         (("--prompts", "/nonexistent.txt"), "Cannot read the prompts file"),
+        (("--temp", -1), "--temp must be >= 0"),
+        (("--top-p", 0), "--top-p must be in (0, 1]"),
+        (("--out", "."), "is a directory"),
+        (("--prompts", "BAD_JSONL"), 'needs a "prompt" or "text" string'),
     ],
 )
 def test_calibrate_command_refuses_bad_input(tmp_path, args, message):
@@ -594,6 +754,9 @@ def test_calibrate_command_refuses_bad_input(tmp_path, args, message):
     prompts.write_text(PROMPT + "\n")
     defaults = {"--model": TARGET, "--draft-model": DSPARK, "--prompts": prompts}
     defaults.update(dict(zip(args[::2], args[1::2])))
+    if defaults["--prompts"] == "BAD_JSONL":
+        defaults["--prompts"] = tmp_path / "bad.jsonl"
+        defaults["--prompts"].write_text('{"prompt": 123}\n')
     flags = [str(x) for pair in defaults.items() for x in pair]
     result = run("mlx_dspark", "calibrate", *flags, MLX_DSPARK_CACHE=str(tmp_path))
     assert result.returncode == 1

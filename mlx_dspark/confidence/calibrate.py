@@ -54,9 +54,13 @@ def read_prompts(path: Path) -> list:
             prompt = (
                 record.get("messages") or record.get("prompt") or record.get("text")
             )
-        if not prompt:
+        chat = isinstance(prompt, list) and all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt
+        )
+        if not (chat and prompt) and not (isinstance(prompt, str) and prompt):
             raise ValueError(
-                f'{path}:{number} needs a "prompt", "text" or "messages" field.'
+                f'{path}:{number} needs a "prompt" or "text" string, or "messages": '
+                'a list of {"role": ..., "content": "..."} objects.'
             )
         prompts.append(prompt)
     return prompts
@@ -242,6 +246,12 @@ def main(argv=None) -> int:
             raise ValueError(f"--max-tokens must be positive, got {args.max_tokens}.")
         if not 0 <= args.holdout < 1:
             raise ValueError(f"--holdout must be in [0, 1), got {args.holdout}.")
+        if not 0 <= args.temp < math.inf:
+            raise ValueError(f"--temp must be >= 0, got {args.temp}.")
+        if not 0 < args.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}.")
+        if args.out is not None and args.out.is_dir():
+            raise ValueError(f"--out {args.out} is a directory; give a file path.")
         prompts = read_prompts(args.prompts)
         drafter = load_drafter(args.draft_model)
         require_confidence(drafter)
@@ -251,11 +261,11 @@ def main(argv=None) -> int:
             raise ValueError(f"Cannot load the target {args.model}: {e}") from None
         mx.random.seed(args.seed)
         calibration = calibrate(model, tokenizer, drafter, args.model, prompts, args)
+        out = args.out or default_calibration_path(drafter.fingerprint)
+        calibration.save(out)
     except (ValueError, OSError) as e:
         print(f"mlx_dspark calibrate: error: {e}", file=sys.stderr)
         return 1
-    out = args.out or default_calibration_path(drafter.fingerprint)
-    calibration.save(out)
     print(format_report(calibration.report, calibration.temperatures))
     print(f"Calibration written to {out}")
     return 0

@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -23,6 +24,7 @@ import numpy as np
 
 FORMAT = "mlx-dspark-sts/1"
 BINS = 20
+MIN_ROUNDS = 20
 # Log-spaced temperatures, symmetric around 1 (which is on the grid exactly).
 GRID = 10.0 ** np.linspace(-math.log10(20.0), math.log10(20.0), 241)
 
@@ -117,17 +119,18 @@ def _position(rounds: Rounds, k: int):
     return rows, (rounds.accepted[rows] > k).astype(np.float64)
 
 
-def fit_sts(rounds: Rounds, grid=GRID) -> List[float]:
+def fit_sts(rounds: Rounds, grid=GRID, min_rounds: int = MIN_ROUNDS) -> List[float]:
     """Per-position temperatures, fitted left to right (see the module
-    docstring). A position no round verified keeps ``T = 1``; among equally
-    good temperatures the one closest to 1 wins."""
+    docstring). Positions verified in fewer than ``min_rounds`` rounds keep
+    ``T = 1`` (a handful of labels would pick an extreme temperature); among
+    equally good temperatures the one closest to 1 wins."""
     block = rounds.logits.shape[1]
     by_closeness = np.argsort(np.abs(np.log(grid)), kind="stable")
     temperatures = [1.0] * block
     prefix = np.ones(len(rounds))
     for k in range(block):
         rows, labels = _position(rounds, k)
-        if not rows.any():
+        if rows.sum() < max(min_rounds, 1):
             break
         z, base = rounds.logits[rows, k], prefix[rows]
         candidates = base[None, :] * sigmoid(z[None, :] / grid[by_closeness, None])
@@ -172,12 +175,24 @@ def weighted_mean(report: List[dict], key: str) -> Optional[float]:
     return sum(n * v for n, v in pairs) / total if total else None
 
 
+FINGERPRINT_SAMPLES = 64
+FINGERPRINT_CHUNK = 4096
+
+
 def drafter_fingerprint(path: Path) -> str:
-    """Identifies a drafter checkpoint: its config and its weight files'
-    names and sizes (a converted or re-downloaded drafter gets a new one)."""
+    """Identifies a drafter checkpoint: its config, and each weight file's
+    name, size and content, sampled (its first bytes, which hold the tensor
+    header, and evenly spaced chunks of the rest) so that a retrained or
+    converted checkpoint of the same shapes gets a new one without reading
+    gigabytes at every load."""
     digest = hashlib.sha256((path / "config.json").read_bytes())
     for weights in sorted(path.glob("*.safetensors")):
-        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with open(weights, "rb") as f:
+            for i in range(FINGERPRINT_SAMPLES):
+                f.seek(i * size // FINGERPRINT_SAMPLES)
+                digest.update(f.read(FINGERPRINT_CHUNK))
     return digest.hexdigest()[:16]
 
 
@@ -208,8 +223,12 @@ class Calibration:
     report: dict = field(default_factory=dict)
 
     def save(self, path: Path) -> None:
+        """Write ``path`` whole or not at all (a file loading picks up must
+        never be half written)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"format": FORMAT, **asdict(self)}, indent=1))
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps({"format": FORMAT, **asdict(self)}, indent=1))
+        partial.replace(path)
 
     @classmethod
     def load(cls, path: Path, fingerprint: str, block_size: int) -> "Calibration":
@@ -235,8 +254,13 @@ class Calibration:
                 f"The calibration file {path} is malformed ({e})."
             ) from None
         temps = calibration.temperatures
-        if len(temps) != block_size or not all(
-            isinstance(t, (int, float)) and t > 0 for t in temps
+        if (
+            not isinstance(temps, list)
+            or len(temps) != block_size
+            or not all(
+                isinstance(t, (int, float)) and math.isfinite(t) and t > 0
+                for t in temps
+            )
         ):
             raise ValueError(
                 f"The calibration file {path} needs {block_size} positive "
@@ -253,13 +277,18 @@ class Calibration:
 
 def resolve_calibration(option, fingerprint: str, block_size: int):
     """The calibration a drafter loads with: ``None`` picks up the one
-    ``mlx_dspark calibrate`` saved for this checkpoint, if any; a path loads
-    that file; ``False`` means none."""
+    ``mlx_dspark calibrate`` saved for this checkpoint, if any (an unreadable
+    one is skipped with a warning); a path loads that file; ``False`` means
+    none."""
     if option is False:
         return None
-    if option is None:
-        path = default_calibration_path(fingerprint)
-        if not path.exists():
-            return None
-        option = path
-    return Calibration.load(Path(option).expanduser(), fingerprint, block_size)
+    if option is not None:
+        return Calibration.load(Path(option).expanduser(), fingerprint, block_size)
+    path = default_calibration_path(fingerprint)
+    if not path.exists():
+        return None
+    try:
+        return Calibration.load(path, fingerprint, block_size)
+    except ValueError as e:
+        warnings.warn(f"Ignoring the saved calibration: {e}", stacklevel=2)
+        return None

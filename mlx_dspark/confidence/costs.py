@@ -10,6 +10,7 @@ and device, one entry per context-depth bucket, re-measured when older than
 import dataclasses
 import hashlib
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -62,12 +63,16 @@ def model_fingerprint(model: nn.Module) -> dict:
 
 @dataclass
 class RoundTimer:
-    """Times a round's parts on live caches. ``verify(n)`` runs the target on
-    ``n`` tokens and ``draft()`` one proposal; both return what to evaluate
-    and leave the caches as they found them."""
+    """Times a round's parts on live caches, for rounds of ``drafts`` drafts.
+
+    ``verify(n)`` runs the target on ``n`` tokens and rolls them back, which
+    leaves the caches as a round whose drafts were all rejected leaves them;
+    ``draft()`` makes one proposal, which leaves the drafter's caches as they
+    were. Both return what to evaluate."""
 
     model: nn.Module
     drafter: Any
+    drafts: int
     verify: Callable[[int], Any]
     draft: Callable[[], Any]
 
@@ -76,6 +81,7 @@ class RoundTimer:
         identity = {
             "target": model_fingerprint(self.model),
             "drafter": getattr(self.drafter, "fingerprint", repr(self.drafter)),
+            "drafts": self.drafts,
             "mlx": mx.__version__,
             "device": str(mx.default_device()),
             "device_info": mx.device_info(),
@@ -83,7 +89,7 @@ class RoundTimer:
         text = json.dumps(identity, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
-    def __call__(self, tokens: int) -> RoundCosts:
+    def __call__(self) -> RoundCosts:
         def seconds(fn):
             mx.eval(fn())
             times = []
@@ -95,7 +101,9 @@ class RoundTimer:
 
         return RoundCosts(
             draft=seconds(self.draft),
-            verify=[seconds(partial(self.verify, n)) for n in range(1, tokens + 1)],
+            verify=[
+                seconds(partial(self.verify, n)) for n in range(1, self.drafts + 2)
+            ],
         )
 
 
@@ -125,16 +133,30 @@ class CostProfile:
         except OSError:
             pass  # an unwritable cache only costs a re-measurement next time
 
-    def costs(self, depth: int, tokens: int, timer: RoundTimer) -> RoundCosts:
+    def _usable(self, entry, tokens: int) -> bool:
+        """A well-formed entry, fresh, with a verify cost for ``tokens``."""
+        if not isinstance(entry, dict):
+            return False
+        draft, verify = entry.get("draft"), entry.get("verify")
+        measured_at = entry.get("measured_at")
+        if not isinstance(verify, list) or not isinstance(measured_at, (int, float)):
+            return False
+        return (
+            len(verify) == tokens
+            and all(
+                isinstance(c, (int, float)) and 0 < c < math.inf
+                for c in [draft, *verify]
+            )
+            and 0 <= time.time() - measured_at <= self.max_age
+        )
+
+    def costs(self, depth: int, timer: RoundTimer) -> RoundCosts:
+        """The costs at ``depth``, measured with ``timer`` when this profile
+        has none (or only stale or malformed ones) for its depth bucket."""
         bucket = str(depth_bucket(depth))
         entry = self.entries.get(bucket)
-        stale = (
-            entry is None
-            or len(entry.get("verify", ())) < tokens
-            or time.time() - entry.get("measured_at", 0) > self.max_age
-        )
-        if stale:
-            measured = timer(tokens)
+        if not self._usable(entry, timer.drafts + 1):
+            measured = timer()
             entry = dict(
                 draft=measured.draft,
                 verify=measured.verify,

@@ -14,6 +14,7 @@ not on anything computed from draft k or later. Both confidence rules decide
 position by position and stop at the first refusal.
 """
 
+import warnings
 from typing import Callable, List, Optional, Sequence
 
 from .calibration import Calibration, sigmoid, survival
@@ -35,6 +36,11 @@ def prefix_schedule(
     search stops at the first draft that does not improve it (the causal
     early stop).
     """
+    for row in survival_by_request:
+        if any(later > earlier for earlier, later in zip(row, row[1:])):
+            raise ValueError(
+                f"Prefix survival must not increase with position, got {list(row)}."
+            )
     requests = len(survival_by_request)
     lengths = [0] * requests
     tokens, expected = requests, float(requests)
@@ -105,7 +111,7 @@ class CostScheduler:
         return self.profiles[timer.key]
 
     def choose(self, logits: List[float], depth: int, timer: RoundTimer) -> int:
-        costs = self.profile(timer).costs(depth, len(logits) + 1, timer)
+        costs = self.profile(timer).costs(depth, timer)
         [length] = prefix_schedule(
             [survival(logits, self.temperatures)], costs.rounds_per_second
         )
@@ -138,18 +144,26 @@ def make_scheduler(
         )
     if name == "threshold" and threshold <= 0:
         raise ValueError(
-            "The threshold scheduler needs confidence_threshold in (0, 1]."
+            "The threshold scheduler needs confidence_threshold "
+            "(--draft-confidence-threshold) in (0, 1]."
         )
     if name != "threshold" and threshold > 0:
         raise ValueError(
-            f"confidence_threshold applies to the threshold scheduler, not {name}."
+            "confidence_threshold (--draft-confidence-threshold) applies to the "
+            f"threshold scheduler, not {name}."
         )
     if name == "fixed":
         return FixedScheduler()
     if name == "threshold":
         return ThresholdScheduler(threshold)
-    temperatures = calibration.temperatures if calibration else [1.0] * block_size
-    return CostScheduler(temperatures)
+    if calibration is None:
+        warnings.warn(
+            f"The cost scheduler is using {where}'s uncalibrated confidences; "
+            "calibrate them with `mlx_dspark calibrate` for better schedules.",
+            stacklevel=2,
+        )
+        return CostScheduler([1.0] * block_size)
+    return CostScheduler(calibration.temperatures)
 
 
 def scheduler_for(choice, drafter):

@@ -234,9 +234,13 @@ def load_deepspec(path: Path, model_class, args_class, family, options: dict):
         path, model_class, args_class, options.pop("dtype"), options.pop("lazy")
     )
     fingerprint = drafter_fingerprint(path)
-    calibration = resolve_calibration(
-        options.pop("calibration"), fingerprint, model.args.block_size
-    )
+    calibration = options.pop("calibration")
+    if calibration not in (None, False) and model.confidence_head is None:
+        raise ValueError(
+            f"{path} has no confidence head (a DFlash drafter), so it takes no "
+            "calibration."
+        )
+    calibration = resolve_calibration(calibration, fingerprint, model.args.block_size)
     return DeepSpecDrafter(
         model, family, path, calibration=calibration, fingerprint=fingerprint, **options
     )

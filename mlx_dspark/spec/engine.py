@@ -20,6 +20,7 @@ the request's logits processors and sampler settings, as mlx-lm's
 ``generate_step`` computes it for that position and token history.
 """
 
+import warnings
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -119,6 +120,34 @@ def _check_prompt(prompt: mx.array, vocab_size: int) -> mx.array:
     return prompt.astype(mx.uint32)
 
 
+def _check_choice(scheduler, num_verify, num_drafts: int) -> None:
+    if (
+        not isinstance(num_verify, int)
+        or isinstance(num_verify, bool)
+        or not 0 <= num_verify <= num_drafts
+    ):
+        raise ValueError(
+            f"The {scheduler.name} scheduler chose to verify {num_verify!r} drafts "
+            f"of {num_drafts}; a scheduler must return an int in [0, {num_drafts}]."
+        )
+
+
+def _check_calibrated_for(calibration, rule: str, spec) -> None:
+    """Warn when the calibration was fitted at another sampling temperature
+    (acceptance, hence calibration, depends on it)."""
+    temperature = 0.0 if rule == "greedy" else getattr(spec, "temp", None)
+    if temperature is None:
+        return
+    if abs(temperature - calibration.sampling_temperature) > 0.05:
+        warnings.warn(
+            f"The drafter's calibration was fitted at temperature "
+            f"{calibration.sampling_temperature:g}, this generation samples at "
+            f"{temperature:g}; run `mlx_dspark calibrate --temp {temperature:g}` "
+            "for schedules that fit.",
+            stacklevel=3,
+        )
+
+
 def _log_softmax(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
@@ -191,6 +220,8 @@ def speculative_generate_step(
     stats.scheduler = scheduler.name
     calibration = getattr(drafter, "calibration", None)
     temperatures = calibration.temperatures if calibration else None
+    if scheduler.name == "cost" and calibration is not None:
+        _check_calibrated_for(calibration, rule, spec)
     progress = prompt_progress_callback or (lambda *_: None)
 
     def forward(tokens):
@@ -210,7 +241,7 @@ def speculative_generate_step(
         )
         return proposal.tokens, proposal.confidence
 
-    timer = RoundTimer(model, drafter, time_verify, time_draft)
+    timer = RoundTimer(model, drafter, num_draft_tokens, time_verify, time_draft)
 
     def processed_log_probs(logits, context):
         """mlx-lm's ``generate_step`` for one position: the processors see
@@ -261,7 +292,9 @@ def speculative_generate_step(
                 [sampler(log_probs[k : k + 1]) for k in range(n + 1)]
             )
         else:
-            u = mx.random.uniform(shape=(n + 1,))
+            # As many uniforms whatever the schedule, so that a seed gives the
+            # same random stream under any schedule.
+            u = mx.random.uniform(shape=(num_draft_tokens + 1,))[: n + 1]
             draft_log_probs = proposal.log_probs[:n] if n else None
             accepted, tokens = rejection_accept(
                 drafts, draft_log_probs, spec.log_probs(log_probs), u
@@ -329,6 +362,7 @@ def speculative_generate_step(
                 if scheduler.needs_confidence and num_drafts:
                     logits = proposal.confidence[:num_drafts].tolist()
                     num_verify = scheduler.choose(logits, start, timer)
+                    _check_choice(scheduler, num_verify, num_drafts)
                 else:
                     # Let the device draft while the host builds the verify.
                     mx.async_eval(proposal.tokens)
