@@ -32,7 +32,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 import mlx_dspark
-from mlx_dspark.spec import engine
+from mlx_dspark.spec import decoding
 from mlx_dspark.spec.engine import adapt_target
 
 import shapes
@@ -61,7 +61,7 @@ def replayed_acceptance(tau: float, block_size: int, seed: int = 0):
     the graph, so the round's compute is unchanged."""
     conditional = conditional_for_tau(tau, block_size)
     draw = random.Random(seed)
-    compare = engine.greedy_accept
+    compare = decoding.greedy_accept
 
     def replayed(drafts, target_tokens):
         accepted = 0
@@ -69,11 +69,11 @@ def replayed_acceptance(tau: float, block_size: int, seed: int = 0):
             accepted += 1
         return 0 * compare(drafts, target_tokens) + accepted
 
-    engine.greedy_accept = replayed
+    decoding.greedy_accept = replayed
     try:
         yield
     finally:
-        engine.greedy_accept = compare
+        decoding.greedy_accept = compare
 
 
 def components(model, drafter, prompt, num_drafts):

@@ -25,7 +25,7 @@ from mlx_dspark.spec.sampling import mlx_lm_make_sampler
 import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
 from mlx_dspark.spec.acceptance import inverse_cdf, rejection_accept, residual
-from mlx_dspark.spec.engine import acceptance_rule
+from mlx_dspark.spec.decoding import acceptance_rule
 from mlx_dspark.spec.sampling import SamplingSpec, make_sampler
 
 from chisquare import goodness_of_fit

@@ -24,10 +24,12 @@ class ContextBlockAttention(nn.Module):
         B, L, _ = x.shape
         offset = cache.offset
         queries = self.queries(x, offset)
+        # A batch cache has rows of different lengths: hide what a row lacks.
+        mask = cache.block_mask(L) if hasattr(cache, "block_mask") else None
         keys, values = cache.update_and_fetch(*self.keys_values(x, offset))
         cache.trim(L)
         output = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=self.scale, mask=None
+            queries, keys, values, scale=self.scale, mask=mask
         )
         return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
 

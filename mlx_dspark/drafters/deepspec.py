@@ -9,6 +9,7 @@ context is every committed position's target taps, concatenated in
 ``target_layer_ids`` order.
 """
 
+import dataclasses
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -129,22 +130,42 @@ class DeepSpecDrafter:
         draw: Optional[Callable] = None,
         target_cache: Optional[list] = None,
     ) -> Proposal:
+        batch = self.propose_batch(cache, anchor.reshape(1), num_drafts, draw)
+        return Proposal(
+            *(
+                None if (x := getattr(batch, f.name)) is None else x[0]
+                for f in dataclasses.fields(batch)
+            )
+        )
+
+    def propose_batch(
+        self,
+        cache: list,
+        anchors: mx.array,
+        num_drafts: int,
+        draw: Optional[Callable] = None,
+    ) -> Proposal:
+        """``propose`` for ``B`` sequences at once: ``anchors`` is ``[B]``,
+        ``draw`` takes and returns ``B`` rows, and the proposal's arrays have
+        a leading batch axis."""
         model = self.model
-        anchor = anchor.reshape(1).astype(mx.uint32)
-        block = mx.concatenate([anchor, self._masks])[None]
+        anchors = anchors.astype(mx.uint32)
+        masks = mx.broadcast_to(self._masks, (anchors.size, self._masks.size))
+        block = mx.concatenate([anchors[:, None], masks], axis=1)
         hidden = model(block, cache)[:, :num_drafts]
         base_logits = model.compute_logits(hidden)
         head = model.markov_head
         if head is None and draw is None:
-            logits = base_logits[0]
-            tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
-            return Proposal(tokens, logits, None, self._confidence(hidden, None))
+            tokens = mx.argmax(base_logits, axis=-1).astype(mx.uint32)
+            return Proposal(
+                tokens, base_logits, None, self._confidence(hidden, None)
+            )
 
         # Position k is drawn after k-1: the Markov head corrects it with the
         # token drawn there, and ``draw`` may depend on the drafts so far.
         draw = draw or _argmax_draw
         state = head.initial_state(hidden) if head is not None else None
-        prev = anchor
+        prev = anchors
         tokens, steps, log_probs, embeddings = [], [], [], []
         for k in range(num_drafts):
             step = base_logits[:, k]
@@ -160,9 +181,9 @@ class DeepSpecDrafter:
             log_probs.append(step_log_probs)
         prev_embeddings = mx.stack(embeddings, axis=1) if embeddings else None
         return Proposal(
-            tokens=mx.concatenate(tokens),
-            logits=mx.concatenate(steps),
-            log_probs=None if log_probs[0] is None else mx.concatenate(log_probs),
+            tokens=mx.stack(tokens, axis=1),
+            logits=mx.stack(steps, axis=1),
+            log_probs=None if log_probs[0] is None else mx.stack(log_probs, axis=1),
             confidence=self._confidence(hidden, prev_embeddings),
         )
 
@@ -174,7 +195,7 @@ class DeepSpecDrafter:
             features = mx.concatenate(
                 [hidden, prev_embeddings.astype(hidden.dtype)], axis=-1
             )
-        return self.model.confidence_head(features)[0]
+        return self.model.confidence_head(features)
 
 
 def _invalid(path: Path, problems) -> ValueError:

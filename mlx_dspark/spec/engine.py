@@ -7,17 +7,7 @@ token, the target caches roll back to the kept prefix and the drafter takes in
 the target's taps of the kept positions. Between rounds the target and drafter
 caches both hold every position before the anchor.
 
-Which drafts are kept depends on the request's sampler:
-- greedy (no sampler, or temperature 0): drafts equal to the target's argmax;
-- rejection sampling, for mlx-lm samplers whose distribution is known
-  (``spec.sampling.make_sampler``): drafts are sampled from the drafter's
-  distribution under the same settings and accepted with probability
-  ``min(1, p/q)``;
-- target-sample matching, for any other sampler: drafts equal to the
-  target's own sample (mlx-lm's semantics).
-All three emit exactly the target's distribution: p is the target's, after
-the request's logits processors and sampler settings, as mlx-lm's
-``generate_step`` computes it for that position and token history.
+Which drafts are kept depends on the request's sampler (see ``spec.decoding``).
 """
 
 import warnings
@@ -27,7 +17,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import RotatingKVCache
-from mlx_lm.sample_utils import greedy_sampler
 
 from ..cache import SlidingWindowKVCache
 from ..confidence.calibration import survival
@@ -35,7 +24,7 @@ from ..confidence.costs import RoundTimer
 from ..confidence.schedulers import scheduler_for
 from ..drafters.base import Proposal
 from ..plugins import find_target_adapter
-from .acceptance import greedy_accept, rejection_accept
+from .decoding import Decoding
 from .stats import Round, SpeculativeStats
 
 
@@ -88,16 +77,6 @@ def _split_prompt_cache(prompt_cache, target, drafter, num_draft_tokens):
     return target_cache, draft_cache
 
 
-def acceptance_rule(sampler) -> str:
-    """``"greedy"``, ``"rejection"`` or ``"match"`` for this sampler."""
-    if sampler is None or sampler is greedy_sampler:
-        return "greedy"
-    spec = getattr(sampler, "sampling_spec", None)
-    if spec is not None and spec.reproducible:
-        return "rejection"
-    return "match"
-
-
 def _check_options(kv_bits):
     if kv_bits is not None:
         raise ValueError(
@@ -146,10 +125,6 @@ def _check_calibrated_for(calibration, rule: str, spec) -> None:
             "for schedules that fit.",
             stacklevel=3,
         )
-
-
-def _log_softmax(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def speculative_generate_step(
@@ -208,9 +183,8 @@ def speculative_generate_step(
     target_cache, draft_cache = _split_prompt_cache(
         prompt_cache, target, drafter, num_draft_tokens
     )
-    rule = acceptance_rule(sampler)
-    spec = getattr(sampler, "sampling_spec", None)
-    processors = logits_processors or []
+    decoding = Decoding(sampler, tuple(logits_processors or ()))
+    rule, spec = decoding.rule, decoding.spec
     if stats is None:
         stats = SpeculativeStats(drafter.name, block_size)
     stats.acceptance_rule = rule
@@ -243,65 +217,6 @@ def speculative_generate_step(
 
     timer = RoundTimer(model, drafter, num_draft_tokens, time_verify, time_draft)
 
-    def processed_log_probs(logits, context):
-        """mlx-lm's ``generate_step`` for one position: the processors see
-        every token up to and including the position's input."""
-        for processor in processors:
-            logits = processor(context, logits)
-        return _log_softmax(logits)
-
-    def draw_for(context):
-        """How drafts are drawn: the drafter's logits under the request's
-        processors (given the drafts so far) and, when sampling, its sampler
-        settings. ``None``: plain argmax."""
-        if rule != "rejection" and not processors:
-            return None
-        drafted = []
-
-        def draw(logits):
-            log_probs = processed_log_probs(logits, mx.concatenate([context, *drafted]))
-            if rule == "rejection":
-                log_q = spec.log_probs(log_probs)
-                token = mx.random.categorical(log_q)
-            else:
-                log_q, token = None, mx.argmax(log_probs, axis=-1)
-            drafted.append(token.astype(mx.uint32))
-            return token, log_q
-
-        return draw
-
-    def judge(drafts, proposal, logits, context):
-        """The verified rows' processed log-probabilities, the number of
-        accepted drafts, and ``[n + 1]`` tokens to emit a prefix of."""
-        n = drafts.size
-        verified = mx.concatenate([context, drafts])
-        rows = (
-            [
-                processed_log_probs(logits[k : k + 1], verified[: context.size + k])
-                for k in range(n + 1)
-            ]
-            if processors
-            else [_log_softmax(logits)]
-        )
-        log_probs = mx.concatenate(rows)
-        if rule == "greedy":
-            tokens = mx.argmax(log_probs, axis=-1)
-        elif rule == "match":
-            # One sampler call per row, as generate_step makes them.
-            tokens = mx.concatenate(
-                [sampler(log_probs[k : k + 1]) for k in range(n + 1)]
-            )
-        else:
-            # As many uniforms whatever the schedule, so that a seed gives the
-            # same random stream under any schedule.
-            u = mx.random.uniform(shape=(num_draft_tokens + 1,))[: n + 1]
-            draft_log_probs = proposal.log_probs[:n] if n else None
-            accepted, tokens = rejection_accept(
-                drafts, draft_log_probs, spec.log_probs(log_probs), u
-            )
-            return log_probs, accepted, tokens
-        return log_probs, greedy_accept(drafts, tokens), tokens.astype(mx.uint32)
-
     def settle(first_position, yielded_tokens):
         """Leave the caches holding the prompt and every yielded token."""
         keep = first_position + len(yielded_tokens)
@@ -325,12 +240,8 @@ def speculative_generate_step(
             mx.clear_cache()
         out = forward(prompt[done:])
         drafter.commit(draft_cache, out.hidden)
-        log_probs = processed_log_probs(out.logits[0, -1:], prompt)
-        if rule == "greedy":
-            anchor = mx.argmax(log_probs, axis=-1)
-        else:
-            anchor = sampler(log_probs)
-        anchor = anchor.astype(mx.uint32)
+        log_probs = decoding.log_probs(out.logits[0, -1:], prompt)
+        anchor = decoding.next_token(log_probs)
         mx.eval(anchor)
         progress(total, total)
         first_position = target_cache[0].offset
@@ -355,7 +266,7 @@ def speculative_generate_step(
                         draft_cache,
                         anchor,
                         num_drafts,
-                        draw_for(context),
+                        decoding.draw_for(context),
                         target_cache=target_cache,
                     )
                 num_verify = num_drafts
@@ -369,8 +280,12 @@ def speculative_generate_step(
 
                 drafts = proposal.tokens[:num_verify]
                 out = forward(mx.concatenate([anchor.reshape(1), drafts]))
-                log_probs, accepted, tokens = judge(
-                    drafts, proposal, out.logits[0], context
+                log_probs, accepted, tokens = decoding.judge(
+                    drafts,
+                    proposal.log_probs,
+                    out.logits[0],
+                    context,
+                    num_draft_tokens + 1,
                 )
                 mx.eval(accepted, tokens, proposal.tokens, proposal.confidence)
 

@@ -1,0 +1,270 @@
+"""A batch KV cache whose rows roll back by different amounts.
+
+mlx-lm's ``BatchKVCache`` trims every row by the same amount, and its
+``BatchRotatingKVCache`` cannot roll back once the window has filled. In a
+speculative batch every row accepts its own number of drafts, so here each
+slot carries the position it holds (``-1``: none) and a row rolls back by
+moving its ``offset`` and forgetting the slots at or past it: no data moves,
+and the mask hides forgotten slots (never zeroed K/V, which would still take
+part in the softmax).
+
+All rows are written at one cursor, so a row that accepted fewer drafts
+leaves holes; ``compact`` packs each row's live slots to the right between
+rounds, dropping, for a sliding-window layer, the slots no query can reach
+any more (older than ``window - 1 + max_rollback`` positions).
+"""
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, _BaseCache
+
+from ..cache import SlidingWindowKVCache
+
+
+class BatchRollbackKVCache(_BaseCache):
+    """Per-row positions, per-row rollback, one write cursor.
+
+    Args:
+        window: The layer's attention window, or ``None`` for full attention.
+        max_rollback: The most tokens a row rolls back after a write; a
+            sliding-window layer keeps that many beyond its window.
+    """
+
+    step = 256
+
+    def __init__(self, window: Optional[int], max_rollback: int):
+        self.window = window
+        self.max_rollback = max_rollback
+        self.keys = None
+        self.values = None
+        self.positions = None  # [B, slots] int32, -1 where free
+        self.offset = None  # [B] int32: each row's next position
+        self._idx = 0  # slots in use (the write cursor)
+
+    # -- building -------------------------------------------------------
+
+    @classmethod
+    def merge(cls, caches: Sequence, window: Optional[int], max_rollback: int):
+        """A batch of single-sequence caches (``KVCache`` or
+        ``SlidingWindowKVCache``), each row right-aligned."""
+        rows = [_live_entries(c) for c in caches]
+        width = max(k.shape[2] for k, _, _ in rows)
+        keys, values, positions = [], [], []
+        for k, v, p in rows:
+            pad = width - k.shape[2]
+            keys.append(_left_pad(k, pad))
+            values.append(_left_pad(v, pad))
+            positions.append(mx.concatenate([mx.full((pad,), -1, mx.int32), p]))
+        batch = cls(window, max_rollback)
+        batch.keys = mx.concatenate(keys)
+        batch.values = mx.concatenate(values)
+        batch.positions = mx.stack(positions)
+        batch.offset = mx.array([c.offset for c in caches], mx.int32)
+        batch._idx = width
+        return batch
+
+    def extract(self, idx: int):
+        """Row ``idx`` as the single-sequence cache the engine uses."""
+        end = self.offset[idx].item()
+        live = self.positions[idx, : self._idx]
+        count = (live >= 0).sum().item()
+        if self.window is not None:
+            count = min(count, self.window - 1 + self.max_rollback)
+        order = mx.argsort(mx.where(live >= 0, live, -1))[live.size - count :]
+        keys = self.keys[idx : idx + 1, :, order]
+        values = self.values[idx : idx + 1, :, order]
+        if self.window is None:
+            if count != end:
+                raise RuntimeError("A full-attention row lost part of its history.")
+            cache = KVCache()
+            if count:
+                cache.update_and_fetch(keys, values)
+            return cache
+        cache = SlidingWindowKVCache(self.window, self.max_rollback)
+        cache.offset = cache._start = cache._end = end - count
+        cache._grow(cache._slots_for_end(end), keys, values)
+        cache.keys = cache._ring_write(cache.keys, keys)
+        cache.values = cache._ring_write(cache.values, values)
+        cache.offset = cache._end = end
+        return cache
+
+    # -- the cache protocol --------------------------------------------
+
+    def _ensure(self, n: int, keys: mx.array, values: mx.array) -> None:
+        need = self._idx + n
+        if self.keys is not None and need <= self.keys.shape[2]:
+            return
+        B, H, _, Dk = keys.shape
+        grow = (need - (0 if self.keys is None else self.keys.shape[2]) + self.step - 1)
+        grow = grow // self.step * self.step
+        new_k = mx.zeros((B, H, grow, Dk), keys.dtype)
+        new_v = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+        new_p = mx.full((B, grow), -1, mx.int32)
+        if self.keys is None:
+            self.keys, self.values, self.positions = new_k, new_v, new_p
+        else:
+            self.keys = mx.concatenate([self.keys, new_k], axis=2)
+            self.values = mx.concatenate([self.values, new_v], axis=2)
+            self.positions = mx.concatenate([self.positions, new_p], axis=1)
+
+    def _new_positions(self, n: int) -> mx.array:
+        return self.offset[:, None] + mx.arange(n, dtype=mx.int32)[None]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n = keys.shape[2]
+        self._ensure(n, keys, values)
+        i = self._idx
+        self.keys[:, :, i : i + n] = keys
+        self.values[:, :, i : i + n] = values
+        self.positions[:, i : i + n] = self._new_positions(n)
+        self.offset = self.offset + n
+        self._idx += n
+        return self.keys[:, :, : self._idx], self.values[:, :, : self._idx]
+
+    def make_mask(
+        self, N: int, window_size: Optional[int] = None, return_array: bool = False
+    ):
+        if window_size is not None and window_size != self.window:
+            raise ValueError(
+                f"This cache serves a window of {self.window}, but the layer "
+                f"asked for a mask with window {window_size}."
+            )
+        keys = self._positions_after(N)[:, None, None, :]
+        queries = self._new_positions(N)[:, None, :, None]
+        mask = (keys >= 0) & (keys <= queries)
+        if self.window is not None:
+            mask = mask & (keys > queries - self.window)
+        return mask
+
+    def block_mask(self, N: int) -> mx.array:
+        """For a drafter's block that sees every live slot and itself."""
+        return (self._positions_after(N) >= 0)[:, None, None, :]
+
+    def _positions_after(self, N: int) -> mx.array:
+        live = self.positions[:, : self._idx] if self._idx else None
+        new = self._new_positions(N)
+        return new if live is None else mx.concatenate([live, new], axis=1)
+
+    def trim_rows(self, counts: Sequence[int]) -> None:
+        """Roll row ``b`` back by ``counts[b]`` tokens of the latest write."""
+        self.offset = self.offset - mx.array(counts, mx.int32)
+        self.positions = mx.where(
+            self.positions >= self.offset[:, None], -1, self.positions
+        )
+        # The newest slots are free in every row: the cursor can reuse them.
+        self._idx -= min(counts)
+
+    def trim(self, n: int) -> int:
+        self.trim_rows([n] * self.offset.size)
+        return n
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def compact(self) -> None:
+        """Pack each row's live slots to the right, dropping the slots no
+        later query can see; the layout changes, so call it between rounds,
+        on every cache of the batch."""
+        if self.keys is None:
+            return
+        live = self.positions[:, : self._idx]
+        keep = live >= 0
+        if self.window is not None:
+            horizon = self.offset[:, None] - (self.window - 1 + self.max_rollback)
+            keep = keep & (live >= horizon)
+        counts = keep.sum(axis=1)
+        width = counts.max().item()
+        if width == self._idx:
+            return
+        # A stable order with the kept slots last, in their order.
+        order = mx.argsort(keep.astype(mx.int32) * self._idx + mx.arange(self._idx), axis=1)
+        order = order[:, self._idx - width :]
+        self.keys = mx.take_along_axis(self.keys, order[:, None, :, None], axis=2)
+        self.values = mx.take_along_axis(self.values, order[:, None, :, None], axis=2)
+        positions = mx.take_along_axis(live, order, axis=1)
+        kept = mx.take_along_axis(keep, order, axis=1)
+        self.positions = mx.where(kept, positions, -1)
+        self._idx = width
+
+    def waste(self) -> int:
+        """Slots the cursor has passed that some row does not use."""
+        if self.keys is None:
+            return 0
+        return self._idx - (self.positions[:, : self._idx] >= 0).sum(axis=1).min().item()
+
+    def filter(self, keep: List[int]) -> None:
+        index = mx.array(keep, mx.int32)
+        self.keys = self.keys[index]
+        self.values = self.values[index]
+        self.positions = self.positions[index]
+        self.offset = self.offset[index]
+
+    def extend(self, other: "BatchRollbackKVCache") -> None:
+        """Append ``other``'s rows (both right-aligned at their cursors)."""
+        width = max(self._idx, other._idx)
+        parts = [_right_align(c, width) for c in (self, other)]
+        self.keys = mx.concatenate([p[0] for p in parts])
+        self.values = mx.concatenate([p[1] for p in parts])
+        self.positions = mx.concatenate([p[2] for p in parts])
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self._idx = width
+
+    def size(self) -> int:
+        return self._idx
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.positions, self.offset
+
+
+def _left_pad(x: mx.array, pad: int) -> mx.array:
+    if pad == 0:
+        return x
+    return mx.concatenate([mx.zeros((*x.shape[:2], pad, x.shape[3]), x.dtype), x], axis=2)
+
+
+def _right_align(cache: BatchRollbackKVCache, width: int):
+    k = cache.keys[:, :, : cache._idx]
+    v = cache.values[:, :, : cache._idx]
+    p = cache.positions[:, : cache._idx]
+    pad = width - cache._idx
+    if pad:
+        k, v = _left_pad(k, pad), _left_pad(v, pad)
+        p = mx.concatenate([mx.full((p.shape[0], pad), -1, mx.int32), p], axis=1)
+    return k, v, p
+
+
+def _live_entries(cache):
+    """``(keys, values, positions)`` of a single-sequence cache's entries
+    that a query at its offset may still need."""
+    offset = cache.offset
+    if isinstance(cache, SlidingWindowKVCache):
+        if cache.keys is None:
+            raise ValueError("An empty cache cannot join a batch.")
+        positions = cache.slot_positions()
+        live = (positions >= cache._start) & (positions < offset)
+        order = mx.argsort(mx.where(live, positions, offset + positions.size))
+        count = live.sum().item()
+        order = order[:count]
+        return (
+            cache.keys[:, :, order],
+            cache.values[:, :, order],
+            positions[order].astype(mx.int32),
+        )
+    if isinstance(cache, KVCache):
+        return (
+            cache.keys[:, :, :offset],
+            cache.values[:, :, :offset],
+            mx.arange(offset, dtype=mx.int32),
+        )
+    raise TypeError(f"{type(cache).__name__} cannot join a speculative batch.")
