@@ -47,20 +47,24 @@ class BatchRollbackKVCache(_BaseCache):
     @classmethod
     def merge(cls, caches: Sequence, window: Optional[int], max_rollback: int):
         """A batch of single-sequence caches (``KVCache`` or
-        ``SlidingWindowKVCache``), each row right-aligned."""
+        ``SlidingWindowKVCache``, possibly empty), each row right-aligned."""
+        batch = cls(window, max_rollback)
+        batch.offset = mx.array([c.offset for c in caches], mx.int32)
         rows = [_live_entries(c) for c in caches]
-        width = max(k.shape[2] for k, _, _ in rows)
+        like = next((r for r in rows if r is not None), None)
+        if like is None:
+            return batch
+        width = max(0 if r is None else r[0].shape[2] for r in rows)
         keys, values, positions = [], [], []
-        for k, v, p in rows:
+        for r in rows:
+            k, v, p = r or _no_entries(like)
             pad = width - k.shape[2]
             keys.append(_left_pad(k, pad))
             values.append(_left_pad(v, pad))
             positions.append(mx.concatenate([mx.full((pad,), -1, mx.int32), p]))
-        batch = cls(window, max_rollback)
         batch.keys = mx.concatenate(keys)
         batch.values = mx.concatenate(values)
         batch.positions = mx.stack(positions)
-        batch.offset = mx.array([c.offset for c in caches], mx.int32)
         batch._idx = width
         return batch
 
@@ -195,20 +199,31 @@ class BatchRollbackKVCache(_BaseCache):
 
     def filter(self, keep: List[int]) -> None:
         index = mx.array(keep, mx.int32)
-        self.keys = self.keys[index]
-        self.values = self.values[index]
-        self.positions = self.positions[index]
         self.offset = self.offset[index]
+        if self.keys is not None:
+            self.keys = self.keys[index]
+            self.values = self.values[index]
+            self.positions = self.positions[index]
+
+    def select(self, rows: List[int]) -> "BatchRollbackKVCache":
+        """A new cache of the rows at ``rows``."""
+        taken = BatchRollbackKVCache(self.window, self.max_rollback)
+        taken.keys, taken.values, taken.positions = self.keys, self.values, self.positions
+        taken.offset, taken._idx = self.offset, self._idx
+        taken.filter(rows)
+        return taken
 
     def extend(self, other: "BatchRollbackKVCache") -> None:
         """Append ``other``'s rows (both right-aligned at their cursors)."""
-        width = max(self._idx, other._idx)
-        parts = [_right_align(c, width) for c in (self, other)]
-        self.keys = mx.concatenate([p[0] for p in parts])
-        self.values = mx.concatenate([p[1] for p in parts])
-        self.positions = mx.concatenate([p[2] for p in parts])
+        like = self if self.keys is not None else other
+        if like.keys is not None:
+            width = max(self._idx, other._idx)
+            parts = [_right_align(c, width, like) for c in (self, other)]
+            self.keys = mx.concatenate([p[0] for p in parts])
+            self.values = mx.concatenate([p[1] for p in parts])
+            self.positions = mx.concatenate([p[2] for p in parts])
+            self._idx = width
         self.offset = mx.concatenate([self.offset, other.offset])
-        self._idx = width
 
     def size(self) -> int:
         return self._idx
@@ -233,24 +248,41 @@ def _left_pad(x: mx.array, pad: int) -> mx.array:
     return mx.concatenate([mx.zeros((*x.shape[:2], pad, x.shape[3]), x.dtype), x], axis=2)
 
 
-def _right_align(cache: BatchRollbackKVCache, width: int):
-    k = cache.keys[:, :, : cache._idx]
-    v = cache.values[:, :, : cache._idx]
-    p = cache.positions[:, : cache._idx]
-    pad = width - cache._idx
+def _right_align(cache: BatchRollbackKVCache, width: int, like: BatchRollbackKVCache):
+    if cache.keys is None:
+        B = cache.offset.size
+        k = mx.zeros((B, like.keys.shape[1], 0, like.keys.shape[3]), like.keys.dtype)
+        v = mx.zeros((B, like.values.shape[1], 0, like.values.shape[3]), like.values.dtype)
+        p = mx.zeros((B, 0), mx.int32)
+    else:
+        k = cache.keys[:, :, : cache._idx]
+        v = cache.values[:, :, : cache._idx]
+        p = cache.positions[:, : cache._idx]
+    pad = width - p.shape[1]
     if pad:
         k, v = _left_pad(k, pad), _left_pad(v, pad)
         p = mx.concatenate([mx.full((p.shape[0], pad), -1, mx.int32), p], axis=1)
     return k, v, p
 
 
+def _no_entries(like):
+    k, v, _ = like
+    return (
+        mx.zeros((1, k.shape[1], 0, k.shape[3]), k.dtype),
+        mx.zeros((1, v.shape[1], 0, v.shape[3]), v.dtype),
+        mx.zeros((0,), mx.int32),
+    )
+
+
 def _live_entries(cache):
     """``(keys, values, positions)`` of a single-sequence cache's entries
-    that a query at its offset may still need."""
+    that a query at its offset may still need; ``None`` when it has none."""
     offset = cache.offset
+    if not isinstance(cache, (SlidingWindowKVCache, KVCache)):
+        raise TypeError(f"{type(cache).__name__} cannot join a speculative batch.")
+    if cache.keys is None or offset == 0:
+        return None
     if isinstance(cache, SlidingWindowKVCache):
-        if cache.keys is None:
-            raise ValueError("An empty cache cannot join a batch.")
         positions = cache.slot_positions()
         live = (positions >= cache._start) & (positions < offset)
         order = mx.argsort(mx.where(live, positions, offset + positions.size))
@@ -261,10 +293,8 @@ def _live_entries(cache):
             cache.values[:, :, order],
             positions[order].astype(mx.int32),
         )
-    if isinstance(cache, KVCache):
-        return (
-            cache.keys[:, :, :offset],
-            cache.values[:, :, :offset],
-            mx.arange(offset, dtype=mx.int32),
-        )
-    raise TypeError(f"{type(cache).__name__} cannot join a speculative batch.")
+    return (
+        cache.keys[:, :, :offset],
+        cache.values[:, :, :offset],
+        mx.arange(offset, dtype=mx.int32),
+    )

@@ -76,7 +76,8 @@ class Decoding:
         drafted = []
 
         def draw(logits):
-            log_probs = self.log_probs(logits, mx.concatenate([context, *drafted]))
+            history = mx.concatenate([context, *drafted]) if self.processors else None
+            log_probs = self.log_probs(logits, history)
             if rule == "rejection":
                 log_q = self.spec.log_probs(log_probs)
                 token = mx.random.categorical(log_q)

@@ -1,0 +1,591 @@
+"""Continuous-batching speculative decoding, with the interface of mlx-lm's
+``BatchGenerator`` as ``mlx_lm.server`` uses it.
+
+Sequences join between rounds. New prompts are prefilled together (right
+padded, each row rolled back past its padding), one chunk per ``next()``;
+a prompt's last token is the first step of its generation. Each round then
+drafts for every sequence in one drafter call, verifies all of them in one
+target forward of ``B x (k + 1)`` rows, and lets each sequence accept its own
+prefix under its own rule, sampler, logits processors, stop sequences and
+token budget; every row rolls back only its own rejected positions (see
+``batching.cache``). ``k`` comes from the batch policy, and may be 0: a round
+of plain batched decoding.
+
+Between rounds the target and drafter caches of a sequence hold exactly the
+tokens in its ``tokens`` list: every emitted token but the last, which is the
+next round's anchor (mlx-lm's ``GenerationBatch`` keeps the same invariant,
+so the server's prompt cache stores what it expects).
+"""
+
+import contextlib
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, List, Optional
+
+import mlx.core as mx
+from mlx_lm.generate import (
+    DEFAULT_MAX_TOKENS,
+    GenerationBatch,
+    PromptProcessingBatch,
+    StopSequences,
+    generation_stream,
+)
+from mlx_lm.generate_utils import BatchCounters, BatchCountersSnapshot, BatchStats
+from mlx_lm.sample_utils import greedy_sampler
+
+from ..confidence.calibration import survival
+from ..spec.decoding import Decoding
+from ..spec.engine import adapt_target
+from ..spec.stats import Round, SpeculativeStats
+from .cache import BatchRollbackKVCache
+from .policy import Acceptance, FixedPolicy
+
+
+@dataclass
+class Sequence:
+    """One request: its prompt still to process, decoding settings and state."""
+
+    uid: int
+    segments: List[List[int]]
+    max_tokens: int
+    cache: Optional[list]
+    tokens: List[int]  # what the caches hold
+    decoding: Decoding
+    matcher: Any
+    num_draft_tokens: int
+    stats: SpeculativeStats
+    acceptance: Acceptance
+    done: int = 0
+    total: int = 0
+    anchor: Optional[int] = None  # the last emitted token, not yet cached
+    emitted: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - self.emitted
+
+    def context(self) -> Optional[mx.array]:
+        """Every token up to and including the anchor, for the processors."""
+        if not self.decoding.processors:
+            return None
+        return mx.array(self.tokens + [self.anchor], mx.uint32)
+
+
+@dataclass
+class Rows:
+    """Sequences in one batch, and their batched target and drafter caches."""
+
+    sequences: List[Sequence] = field(default_factory=list)
+    target_cache: List[BatchRollbackKVCache] = field(default_factory=list)
+    draft_cache: List[BatchRollbackKVCache] = field(default_factory=list)
+
+    def __len__(self):
+        return len(self.sequences)
+
+    def caches(self):
+        return self.target_cache + self.draft_cache
+
+    def extend(self, other: "Rows") -> None:
+        if not self.sequences:
+            self.target_cache, self.draft_cache = other.target_cache, other.draft_cache
+        elif other.sequences:
+            for a, b in zip(self.caches(), other.caches()):
+                a.extend(b)
+        self.sequences += other.sequences
+
+    def keep(self, indices: List[int]) -> None:
+        self.sequences = [self.sequences[i] for i in indices]
+        if not indices:
+            self.target_cache, self.draft_cache = [], []
+            return
+        for c in self.caches():
+            c.filter(indices)
+
+    def split(self, indices: List[int]) -> "Rows":
+        """The rows at ``indices``, taken out of this batch."""
+        taken = Rows(
+            [self.sequences[i] for i in indices],
+            [c.select(indices) for c in self.target_cache],
+            [c.select(indices) for c in self.draft_cache],
+        )
+        self.keep([i for i in range(len(self)) if i not in set(indices)])
+        return taken
+
+    def extract(self, i: int) -> list:
+        return [c.extract(i) for c in self.caches()]
+
+    def trim_rows(self, counts: List[int]) -> None:
+        for c in self.caches():
+            c.trim_rows(counts)
+
+    def compact(self, waste: int) -> None:
+        caches = self.caches()
+        if caches and caches[0].waste() >= max(waste, caches[0].size() // 4):
+            for c in caches:
+                c.compact()
+
+
+class SpeculativeBatchGenerator:
+    """mlx-lm's ``BatchGenerator`` (continuous batching) with a hidden-state
+    drafter (see the module docstring).
+
+    Args:
+        model: The target, as ``mlx_lm.load`` returns it.
+        drafter: A drafter that can propose for a batch (``propose_batch``).
+        num_draft_tokens: Drafts per round at most, by default the drafter's
+            block size; ``insert`` can set it per sequence.
+        policy: Chooses each round's drafts (``batching.policy``); by default
+            every sequence verifies as many as it may.
+        compact_waste: Slots a row may leave unused (rejected drafts, prompt
+            padding) before the caches are packed.
+        The rest are ``BatchGenerator``'s.
+    """
+
+    def __init__(
+        self,
+        model,
+        drafter,
+        *,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        stop_tokens=None,
+        sampler: Optional[Callable] = None,
+        logits_processors: Optional[list] = None,
+        completion_batch_size: int = 32,
+        prefill_batch_size: int = 8,
+        prefill_step_size: int = 2048,
+        stream=None,
+        num_draft_tokens: Optional[int] = None,
+        policy=None,
+        compact_waste: int = 64,
+    ):
+        self.model = model
+        self.drafter = drafter
+        self.target = adapt_target(model, drafter)
+        self.max_tokens = max_tokens
+        self.sampler = sampler or greedy_sampler
+        self.logits_processors = logits_processors or []
+        self.completion_batch_size = max(completion_batch_size, prefill_batch_size)
+        self.prefill_batch_size = prefill_batch_size
+        self.prefill_step_size = prefill_step_size
+        self.num_draft_tokens = num_draft_tokens or drafter.block_size
+        self.policy = policy or FixedPolicy()
+        self.compact_waste = compact_waste
+        self._stream = stream or generation_stream
+        self._default_stop_sequences = StopSequences(stop_tokens or None)
+        self._uid_count = 0
+        self._pending = deque()
+        self._prefill = Rows()
+        self._generation = Rows()
+        self._counters = BatchCounters()
+        self._max_rollback = drafter.max_draft_tokens + 1
+        self._windows = [
+            c.window if hasattr(c, "window") else None
+            for c in self.target.make_cache(self._max_rollback)
+        ]
+        self._num_draft_caches = len(drafter.make_cache())
+
+    @property
+    def stream(self):
+        return self._stream
+
+    def close(self):
+        pass
+
+    @contextlib.contextmanager
+    def stats(self):
+        """The work this generator does while the block runs (mlx-lm's
+        ``BatchStats``)."""
+        stats = BatchStats()
+        start = BatchCountersSnapshot(**asdict(self._counters))
+        try:
+            yield stats
+        finally:
+            end = BatchCountersSnapshot(**asdict(self._counters))
+            stats += BatchCountersSnapshot.between(start, end)
+
+    # -- requests ---------------------------------------------------------
+
+    def insert(self, prompts, max_tokens=None, caches=None, all_tokens=None,
+               samplers=None, logits_processors=None, stop_sequences=None,
+               num_draft_tokens=None, stats=None):
+        return self.insert_segments(
+            [[p] for p in prompts], max_tokens, caches, all_tokens, samplers,
+            logits_processors, stop_sequences, num_draft_tokens, stats,
+        )
+
+    def insert_segments(self, segments, max_tokens=None, caches=None,
+                        all_tokens=None, samplers=None, logits_processors=None,
+                        stop_sequences=None, num_draft_tokens=None, stats=None):
+        """Queue sequences as ``BatchGenerator.insert_segments`` does; also
+        per sequence: ``num_draft_tokens`` (``None``: the generator's) and a
+        ``SpeculativeStats`` to fill in."""
+        n = len(segments)
+        options = {
+            "max_tokens": max_tokens or [self.max_tokens] * n,
+            "caches": caches or [None] * n,
+            "all_tokens": all_tokens or [[] for _ in range(n)],
+            "samplers": samplers or [None] * n,
+            "logits_processors": logits_processors or [self.logits_processors] * n,
+            "stop_sequences": stop_sequences or [self._default_stop_sequences] * n,
+            "num_draft_tokens": num_draft_tokens or [None] * n,
+            "stats": stats or [None] * n,
+        }
+        for name, values in options.items():
+            if len(values) != n:
+                raise ValueError(
+                    f"Option {name} must have one entry per segment: expected "
+                    f"{n}, got {len(values)}."
+                )
+        sequences = []
+        for i, parts in enumerate(segments):
+            uid = self._uid_count + i
+            parts = [list(p) for p in parts if len(p)]
+            if not parts:
+                raise ValueError(f"Sequence {uid} has an empty prompt.")
+            if options["max_tokens"][i] <= 0:
+                raise ValueError(f"Sequence {uid}'s max_tokens must be > 0.")
+            drafts = options["num_draft_tokens"][i]
+            drafts = self.num_draft_tokens if drafts is None else drafts
+            if (
+                not isinstance(drafts, int)
+                or isinstance(drafts, bool)
+                or not 1 <= drafts <= self.drafter.max_draft_tokens
+            ):
+                raise ValueError(
+                    f"num_draft_tokens must be between 1 and "
+                    f"{self.drafter.max_draft_tokens} for this drafter, got {drafts}."
+                )
+            sampler = options["samplers"][i] or self.sampler
+            decoding = Decoding(sampler, tuple(options["logits_processors"][i] or ()))
+            stats_i = options["stats"][i] or SpeculativeStats(
+                self.drafter.name, self.drafter.block_size
+            )
+            stats_i.acceptance_rule = decoding.rule
+            stats_i.scheduler = self.policy.name
+            # The last prompt token is the first step of generation.
+            if len(parts[-1]) > 1:
+                parts.append(parts[-1][-1:])
+                parts[-2] = parts[-2][:-1]
+            sequences.append(
+                Sequence(
+                    uid=uid,
+                    segments=parts,
+                    max_tokens=options["max_tokens"][i],
+                    cache=options["caches"][i],
+                    tokens=list(options["all_tokens"][i]),
+                    decoding=decoding,
+                    matcher=options["stop_sequences"][i].matcher(),
+                    num_draft_tokens=drafts,
+                    stats=stats_i,
+                    acceptance=Acceptance(self.drafter.max_draft_tokens),
+                    total=sum(len(p) for p in parts),
+                )
+            )
+        self._pending.extend(sequences)
+        self._uid_count += n
+        return [s.uid for s in sequences]
+
+    def _where(self, uid):
+        for rows in (self._generation, self._prefill):
+            for i, s in enumerate(rows.sequences):
+                if s.uid == uid:
+                    return rows, i
+        for s in self._pending:
+            if s.uid == uid:
+                return None, s
+        return None, None
+
+    def extract_cache(self, uids):
+        """``{uid: (caches, tokens)}``, single-sequence caches holding
+        exactly ``tokens``."""
+        results = {}
+        for uid in uids:
+            rows, where = self._where(uid)
+            if rows is not None:
+                results[uid] = (rows.extract(where), list(rows.sequences[where].tokens))
+            elif where is not None:
+                results[uid] = (where.cache, list(where.tokens))
+        return results
+
+    def remove(self, uids, return_prompt_caches=False):
+        caches = self.extract_cache(uids) if return_prompt_caches else {}
+        uids = set(uids)
+        self._pending = deque(s for s in self._pending if s.uid not in uids)
+        for rows in (self._prefill, self._generation):
+            keep = [i for i, s in enumerate(rows.sequences) if s.uid not in uids]
+            if len(keep) < len(rows):
+                rows.keep(keep)
+        return caches
+
+    @property
+    def prompt_cache_nbytes(self) -> int:
+        total = sum(c.nbytes for s in self._pending for c in (s.cache or ()))
+        for rows in (self._prefill, self._generation):
+            total += sum(c.nbytes for c in rows.caches())
+        return total
+
+    # -- the loop ---------------------------------------------------------
+
+    def next(self):
+        """``(prompt_responses, generation_responses)``, as mlx-lm's."""
+        with mx.stream(self._stream):
+            return self._next()
+
+    def next_generated(self):
+        with mx.stream(self._stream):
+            while True:
+                prompt_responses, generation_responses = self._next()
+                if not generation_responses and prompt_responses:
+                    continue
+                return generation_responses
+
+    def _next(self):
+        generation_responses = []
+        if len(self._generation):
+            tic = time.perf_counter()
+            generation_responses = self._round()
+            self._counters.decode_time += time.perf_counter() - tic
+            self._counters.generation_tokens += len(generation_responses)
+            self._counters.generation_steps += 1
+        if len(self._generation) >= self.completion_batch_size:
+            return [], generation_responses
+
+        room = min(
+            self.prefill_batch_size - len(self._prefill),
+            self.completion_batch_size - len(self._generation) - len(self._prefill),
+        )
+        if room > 0 and self._pending:
+            joining = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+            self._prefill.extend(self._rows_for(joining))
+
+        prompt_responses = []
+        ready = [
+            i for i, s in enumerate(self._prefill.sequences)
+            if len(s.segments) == 1 and len(s.segments[0]) == 1
+        ]
+        if ready:
+            started = self._prefill.split(ready)
+            for s in started.sequences:
+                prompt_responses.append(
+                    PromptProcessingBatch.Response(s.uid, (s.total, s.total), True, True)
+                )
+            generation_responses += self._first_step(started)
+            self._generation.extend(started)
+        if len(self._prefill):
+            prompt_responses += self._prefill_chunk()
+        return prompt_responses, generation_responses
+
+    def _rows_for(self, sequences: List[Sequence]) -> Rows:
+        """Batch caches for sequences joining, from their prompt caches."""
+        singles = []
+        for s in sequences:
+            cache = s.cache
+            if cache is None:
+                cache = self.target.make_cache(self._max_rollback) + self.drafter.make_cache()
+            singles.append(cache)
+            s.cache = None
+        split = len(singles[0]) - self._num_draft_caches
+        target = [
+            BatchRollbackKVCache.merge([c[i] for c in singles], w, self._max_rollback)
+            for i, w in enumerate(self._windows)
+        ]
+        draft = [
+            BatchRollbackKVCache.merge([c[split + i] for c in singles], None, self._max_rollback)
+            for i in range(self._num_draft_caches)
+        ]
+        return Rows(sequences, target, draft)
+
+    def _forward(self, rows: Rows, inputs: mx.array):
+        return self.target(inputs, rows.target_cache, self.drafter.taps)
+
+    def _prefill_chunk(self):
+        """One chunk of every prefilling sequence's current segment."""
+        rows, responses, chunks = self._prefill, [], []
+        for s in rows.sequences:
+            chunk = s.segments[0][: self.prefill_step_size]
+            s.segments[0] = s.segments[0][len(chunk):]
+            end_of_segment = not s.segments[0]
+            if end_of_segment:
+                s.segments.pop(0)
+            s.tokens += chunk
+            s.done += len(chunk)
+            chunks.append(chunk)
+            responses.append(
+                PromptProcessingBatch.Response(s.uid, (s.done, s.total), end_of_segment, False)
+            )
+        width = max(len(c) for c in chunks)
+        inputs = mx.array([c + [0] * (width - len(c)) for c in chunks], mx.uint32)
+        tic = time.perf_counter()
+        out = self._forward(rows, inputs)
+        self.drafter.commit(rows.draft_cache, out.hidden)
+        rows.trim_rows([width - len(c) for c in chunks])
+        rows.compact(self.compact_waste)
+        mx.eval([c.state for c in rows.caches()])
+        self._counters.prompt_time += time.perf_counter() - tic
+        self._counters.prompt_tokens += sum(len(c) for c in chunks)
+        return responses
+
+    def _first_step(self, rows: Rows):
+        """The target's token after each prompt's last token."""
+        last = [s.segments[0][0] for s in rows.sequences]
+        out = self._forward(rows, mx.array(last, mx.uint32)[:, None])
+        self.drafter.commit(rows.draft_cache, out.hidden)
+        responses, firsts = [], []
+        for b, s in enumerate(rows.sequences):
+            s.segments = []
+            context = mx.array(s.tokens + last[b : b + 1], mx.uint32)
+            s.tokens.append(last[b])
+            log_probs = s.decoding.log_probs(out.logits[b, -1:], context)
+            firsts.append((s.decoding.next_token(log_probs), log_probs[0]))
+        mx.eval(firsts)
+        finished = []
+        for b, (s, (token, log_probs)) in enumerate(zip(rows.sequences, firsts)):
+            s.anchor = token.item()
+            s.emitted = 1
+            reason = self._finish_reason(s, s.anchor)
+            responses.append(self._response(rows, b, s, s.anchor, log_probs, reason))
+            if reason:
+                finished.append(b)
+        if finished:
+            rows.keep([b for b in range(len(rows)) if b not in finished])
+        return responses
+
+    def _finish_reason(self, s: Sequence, token: int) -> Optional[str]:
+        if s.matcher.advance(token):
+            return "stop"
+        if s.emitted >= s.max_tokens:
+            return "length"
+        return None
+
+    def _response(self, rows, b, s, token, log_probs, reason):
+        return GenerationBatch.Response(
+            uid=s.uid,
+            token=token,
+            logprobs=log_probs,
+            finish_reason=reason,
+            prompt_cache=rows.extract(b) if reason else None,
+            all_tokens=list(s.tokens) if reason else None,
+        )
+
+    def _choose_drafts(self, rows: Rows) -> List[int]:
+        caps = [min(s.num_draft_tokens, s.remaining - 1) for s in rows.sequences]
+        rates = [s.acceptance.rates() for s in rows.sequences]
+        depth = max(len(s.tokens) for s in rows.sequences)
+        k = self.policy.choose(rates, caps, depth)
+        return [min(k, c) for c in caps]
+
+    def _round(self):
+        """One draft-and-verify round for every generating sequence."""
+        rows = self._generation
+        sequences = rows.sequences
+        drafts_per_row = self._choose_drafts(rows)
+        k = max(drafts_per_row)
+        anchors = mx.array([s.anchor for s in sequences], mx.uint32)
+        contexts = [s.context() for s in sequences]
+        proposal = None
+        if k:
+            draws = [s.decoding.draw_for(c) for s, c in zip(sequences, contexts)]
+            draw = None if all(d is None for d in draws) else _batch_draw(draws)
+            proposal = self.drafter.propose_batch(rows.draft_cache, anchors, k, draw)
+            inputs = mx.concatenate([anchors[:, None], proposal.tokens], axis=1)
+        else:
+            inputs = anchors[:, None]
+        out = self._forward(rows, inputs)
+        verdicts = []
+        for b, s in enumerate(sequences):
+            n = drafts_per_row[b]
+            drafts = proposal.tokens[b, :n] if k else mx.array([], mx.uint32)
+            draft_log_probs = (
+                proposal.log_probs[b] if k and proposal.log_probs is not None else None
+            )
+            verdicts.append(
+                s.decoding.judge(
+                    drafts, draft_log_probs, out.logits[b, : n + 1], contexts[b],
+                    s.num_draft_tokens + 1,
+                )
+            )
+        mx.eval(verdicts, proposal.tokens if k else [])
+        drafted = proposal.tokens.tolist() if k else [[] for _ in sequences]
+        confidence = (
+            proposal.confidence.tolist()
+            if k and proposal.confidence is not None
+            else [None] * len(sequences)
+        )
+
+        responses, trims, finished = [], [], []
+        for b, (s, (log_probs, accepted, tokens)) in enumerate(zip(sequences, verdicts)):
+            n, accepted = drafts_per_row[b], accepted.item()
+            tokens = tokens.tolist()[: accepted + 1]
+            emitted, reason = [], None
+            for t in tokens:
+                emitted.append(t)
+                s.emitted += 1
+                reason = self._finish_reason(s, t)
+                if reason:
+                    break
+            kept = min(accepted, len(emitted))
+            next_token = emitted[-1] if len(emitted) > accepted else None
+            verified = n if next_token is not None else kept
+            self._record(s, n, kept, verified, next_token, drafted[b], confidence[b])
+            # Cached now: the anchor and every emitted token but the last.
+            s.tokens += [s.anchor] + emitted[:-1]
+            trims.append(1 + k - len(emitted))
+            for i, t in enumerate(emitted):
+                last = i == len(emitted) - 1
+                responses.append((b, s, t, log_probs[i], reason if last else None))
+            s.anchor = emitted[-1]
+            if reason:
+                finished.append(b)
+
+        for c in rows.target_cache:
+            c.trim_rows(trims)
+        # The drafter takes in the taps of what each row kept.
+        self.drafter.commit(rows.draft_cache, out.hidden)
+        for c in rows.draft_cache:
+            c.trim_rows(trims)
+        result = [self._response(rows, b, s, t, lp, r) for b, s, t, lp, r in responses]
+        if finished:
+            rows.keep([b for b in range(len(rows)) if b not in finished])
+        rows.compact(self.compact_waste)
+        return result
+
+    def _record(self, s, proposed, accepted, verified, next_token, drafts, confidence):
+        s.acceptance.update(proposed, accepted)
+        temperatures = getattr(getattr(self.drafter, "calibration", None), "temperatures", None)
+        predicted = None
+        if confidence is not None:
+            predicted = sum(survival(confidence[:verified], temperatures))
+        s.stats.history.append(
+            Round(
+                start=len(s.tokens),
+                anchor=s.anchor,
+                drafts=drafts[:proposed],
+                confidence=confidence,
+                proposed=verified,
+                accepted=accepted,
+                next_token=next_token,
+                predicted=predicted,
+            )
+        )
+
+
+def _batch_draw(draws):
+    """One ``draw`` for a batch from each row's (``None``: argmax)."""
+
+    def draw(logits):
+        tokens, log_qs = [], []
+        for b, row_draw in enumerate(draws):
+            row = logits[b : b + 1]
+            if row_draw is None:
+                token, log_q = mx.argmax(row, axis=-1), None
+            else:
+                token, log_q = row_draw(row)
+            tokens.append(token.reshape(1).astype(mx.uint32))
+            log_qs.append(log_q)
+        if all(q is None for q in log_qs):
+            return mx.concatenate(tokens), None
+        log_qs = [mx.zeros_like(logits[:1]) if q is None else q for q in log_qs]
+        return mx.concatenate(tokens), mx.concatenate(log_qs)
+
+    return draw

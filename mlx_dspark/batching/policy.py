@@ -1,0 +1,117 @@
+"""How many drafts a speculative batch verifies each round.
+
+A round of ``B`` sequences with ``k`` drafts each costs one drafter call and
+one target forward of ``B x (k + 1)`` rows; sequence ``b`` then emits
+``1 + Σ_{i<=k} Π_{j<=i} a_bj`` tokens on average, ``a_bj`` being its chance
+of accepting draft ``j`` once ``1..j-1`` were accepted. The policy picks the
+``k`` (``0``: plain batched decoding, the drafter idle) with the most
+expected tokens per second for the whole batch. As the batch grows, the
+verify of ``k + 1`` rows per sequence costs more against one row, and the
+best ``k`` falls towards 0.
+
+Losslessness when sampling (paper, Appendix A): the choice uses only what
+was known before the round's drafts were drawn, namely the earlier rounds'
+acceptance and the measured costs.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Sequence
+
+from ..confidence.costs import RoundCosts
+
+# Every this many rounds at k = 0, one round drafts again: acceptance
+# changes over a conversation, and a parked policy learns nothing new.
+REPROBE_EVERY = 16
+
+
+@dataclass
+class Acceptance:
+    """Counts of verified and accepted drafts by position, with a prior of
+    ``prior_weight`` rounds at rate ``prior``; recent rounds weigh more
+    (each count decays by ``decay`` per update)."""
+
+    positions: int
+    prior: float = 0.5
+    prior_weight: float = 2.0
+    decay: float = 0.9
+    verified: List[float] = field(default_factory=list)
+    accepted: List[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.verified = [0.0] * self.positions
+        self.accepted = [0.0] * self.positions
+
+    def update(self, proposed: int, accepted: int) -> None:
+        for j in range(min(proposed, self.positions)):
+            self.verified[j] = self.decay * self.verified[j] + 1.0
+            self.accepted[j] = self.decay * self.accepted[j] + (j < accepted)
+            if j >= accepted:
+                break
+
+    def rates(self) -> List[float]:
+        """``a_j``: P(draft j accepted | drafts before it accepted)."""
+        w = self.prior_weight
+        return [
+            (a + w * self.prior) / (v + w) for v, a in zip(self.verified, self.accepted)
+        ]
+
+
+def expected_tokens(rates: Sequence[float], drafts: int) -> float:
+    """Tokens a round of ``drafts`` drafts emits on average."""
+    total, survive = 1.0, 1.0
+    for a in rates[:drafts]:
+        survive *= a
+        total += survive
+    return total
+
+
+def best_drafts(
+    rates: Sequence[Sequence[float]], caps: Sequence[int], costs: RoundCosts
+) -> int:
+    """The ``k`` in ``0..max(caps)`` with the most expected tokens per second
+    for the batch; sequence ``b`` verifies ``min(k, caps[b])`` drafts."""
+    best, best_rate = 0, -1.0
+    for k in range(max(caps, default=0) + 1):
+        if k + 1 > len(costs.verify):
+            break
+        seconds = costs.verify[k] + (costs.draft if k else 0.0)
+        tokens = sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
+        if tokens / seconds > best_rate * (1 + 1e-9):
+            best, best_rate = k, tokens / seconds
+    return best
+
+
+class BatchPolicy:
+    """Chooses each round's number of drafts from measured round costs.
+
+    Args:
+        costs: ``costs(batch, depth) -> RoundCosts`` for a batch of
+            ``batch`` sequences at context depth ``depth``.
+    """
+
+    name = "cost"
+
+    def __init__(self, costs: Callable[[int, int], RoundCosts]):
+        self.costs = costs
+        self.parked = 0
+
+    def choose(self, rates, caps, depth: int) -> int:
+        if not caps or max(caps) == 0:
+            return 0
+        k = best_drafts(rates, caps, self.costs(len(caps), depth))
+        if k:
+            self.parked = 0
+            return k
+        self.parked += 1
+        if self.parked % REPROBE_EVERY == 0:
+            return max(caps)
+        return 0
+
+
+class FixedPolicy:
+    """Every sequence verifies as many drafts as it may."""
+
+    name = "fixed"
+
+    def choose(self, rates, caps, depth: int) -> int:
+        return max(caps, default=0)

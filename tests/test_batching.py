@@ -1,0 +1,346 @@
+"""The speculative batch generator: every sequence of a batch gets exactly
+what it would get alone, whoever else is in the batch and whenever they join
+or leave."""
+
+import random
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import KVCache
+from mlx_lm.sample_utils import make_logits_processors
+
+from mlx_dspark.batching.cache import BatchRollbackKVCache
+from mlx_dspark.batching.generator import SpeculativeBatchGenerator
+from mlx_dspark.batching.policy import (
+    Acceptance,
+    BatchPolicy,
+    best_drafts,
+    expected_tokens,
+)
+from mlx_dspark.cache import SlidingWindowKVCache
+from mlx_dspark.confidence.costs import RoundCosts
+from mlx_dspark.spec.sampling import make_sampler
+from mlx_dspark.spec.stats import SpeculativeStats
+
+from chisquare import goodness_of_fit
+from test_lossless import plain_greedy, trained
+from test_sampling import ALPHA, PROMPT, exact_distribution
+from tiny import gemma4_text_args, tiny_dspark, tiny_gemma4
+
+
+class RandomPolicy:
+    """Any number of drafts each round, from a seeded stream: what a batch
+    must survive whatever the real policy chooses."""
+
+    name = "random"
+
+    def __init__(self, seed):
+        self.random = random.Random(seed)
+
+    def choose(self, rates, caps, depth):
+        return self.random.randint(0, max(caps, default=0))
+
+
+def run(generator, requests, remove_after=None):
+    """Feed ``requests`` (``(arrival_step, prompt, options)``) into
+    ``generator`` as the server does, between ``next()`` calls; returns each
+    request's tokens and its finishing response."""
+    remove_after = remove_after or {}
+    pending = sorted(enumerate(requests), key=lambda x: x[1][0])
+    uids, tokens, finished, step = {}, {}, {}, 0
+    while (pending or len(finished) < len(requests)) and step < 2000:
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, options) = pending.pop(0)
+            (uids[i],) = generator.insert([prompt], **options)
+            tokens[i] = []
+        _, responses = generator.next()
+        by_uid = {u: i for i, u in uids.items()}
+        for r in responses:
+            i = by_uid[r.uid]
+            assert i not in finished, "a response after the finishing one"
+            tokens[i].append(r.token)
+            if r.finish_reason:
+                finished[i] = r
+        for i, n in remove_after.items():
+            if i in tokens and len(tokens[i]) >= n and i not in finished:
+                generator.remove([uids[i]])
+                finished[i] = None
+        step += 1
+    return tokens, finished
+
+
+def reference(model, prompt, max_tokens, stop=()):
+    out = plain_greedy(model, prompt, max_tokens)
+    for i, t in enumerate(out):
+        if t in stop:
+            return out[: i + 1]
+    return out
+
+
+@st.composite
+def batches(draw):
+    requests = []
+    for _ in range(draw(st.integers(1, 6))):
+        prompt = draw(st.lists(st.integers(5, 95), min_size=1, max_size=24))
+        max_tokens = draw(st.integers(1, 30))
+        options = dict(max_tokens=[max_tokens])
+        if draw(st.booleans()):
+            options["num_draft_tokens"] = [draw(st.integers(1, 4))]
+        stop = draw(st.sets(st.integers(5, 95), max_size=6))
+        if stop:
+            options["stop_sequences"] = [StopSequences([[t] for t in stop])]
+        requests.append((draw(st.integers(0, 12)), prompt, options, stop))
+    sizes = dict(
+        completion_batch_size=draw(st.integers(1, 6)),
+        prefill_batch_size=draw(st.integers(1, 4)),
+        prefill_step_size=draw(st.sampled_from([1, 3, 7, 2048])),
+        compact_waste=draw(st.sampled_from([1, 4, 64])),
+    )
+    return requests, sizes, draw(st.integers(0, 10_000))
+
+
+def check_batch(model, drafter, requests, sizes, seed):
+    generator = SpeculativeBatchGenerator(
+        model, drafter, policy=RandomPolicy(seed), **sizes
+    )
+    tokens, finished = run(generator, [r[:3] for r in requests])
+    for i, (_, prompt, options, stop) in enumerate(requests):
+        expected = reference(model, prompt, options["max_tokens"][0], stop)
+        assert tokens[i] == expected, f"request {i}"
+        # The cache handed back holds exactly all_tokens: every token but
+        # the last, which mlx-lm's batch generator leaves out too.
+        assert finished[i].all_tokens == prompt + expected[:-1]
+        assert finished[i].prompt_cache[0].offset == len(prompt) + len(expected) - 1
+
+
+@given(batches())
+def test_each_sequence_of_a_batch_equals_its_own_greedy_output(case):
+    """Gemma-4 (sliding window 8, crossed by most requests), requests that
+    arrive between rounds, their own budgets, draft caps and stop tokens,
+    any number of drafts per round, batch and prefill sizes that make
+    sequences wait and prompts span several chunks."""
+    requests, sizes, seed = case
+    model, drafter = trained("gemma4")
+    check_batch(model, drafter, requests, sizes, seed)
+
+
+@given(batches())
+def test_qwen3_batches_equal_greedy(case):
+    requests, sizes, seed = case
+    model, drafter = trained("qwen3", "dflash")
+    check_batch(model, drafter, requests, sizes, seed)
+
+
+@given(batches(), st.integers(2, 5), st.integers(0, 10_000))
+def test_random_models_with_tiny_windows(case, window, model_seed):
+    """Random Gemma-4 targets whose windows (2-5) are smaller than a round."""
+    requests, sizes, seed = case
+    args = gemma4_text_args(window=window)
+    model = tiny_gemma4(seed=model_seed, window=window)
+    drafter = tiny_dspark(args, seed=model_seed + 1)
+    check_batch(model, drafter, requests, sizes, seed)
+
+
+def test_a_disconnect_leaves_the_others_untouched():
+    model, drafter = trained("gemma4")
+    generator = SpeculativeBatchGenerator(model, drafter, policy=RandomPolicy(3))
+    prompts = [[5, 6, 7, 8, 9], [10, 20, 30], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+    requests = [(0, p, dict(max_tokens=[40])) for p in prompts]
+    tokens, _ = run(generator, requests, remove_after={1: 3})
+    for i in (0, 2):
+        assert tokens[i] == plain_greedy(model, prompts[i], 40)
+
+
+def test_prompt_cache_from_a_batch_continues_exactly():
+    """The cache a finished sequence hands back (as the server's LRU keeps
+    it) continues a follow-up request as if it were the whole prompt."""
+    model, drafter = trained("gemma4")
+    generator = SpeculativeBatchGenerator(model, drafter, policy=RandomPolicy(1))
+    first = [5, 6, 7, 8, 9, 10, 11]
+    tokens, finished = run(generator, [(0, first, dict(max_tokens=[20]))])
+    done = finished[0]
+    follow_up = done.all_tokens + [tokens[0][-1], 33, 44, 55]
+    cached = len(done.all_tokens)
+    tokens, _ = run(
+        generator,
+        [
+            (
+                0,
+                follow_up[cached:],
+                dict(
+                    max_tokens=[25],
+                    caches=[done.prompt_cache],
+                    all_tokens=[done.all_tokens],
+                ),
+            )
+        ],
+    )
+    assert tokens[0] == plain_greedy(model, follow_up, 25)
+
+
+def test_same_greedy_outputs_as_mlx_lms_batch_generator():
+    """With a drafter, the server's batch path gives what mlx-lm's own
+    BatchGenerator gives without one."""
+    model, drafter = trained("gemma4")
+    prompts = [[5 + i, 17, 3 * i + 7, 99] * (i + 1) for i in range(5)]
+    stock = BatchGenerator(model, max_tokens=30)
+    ours = SpeculativeBatchGenerator(model, drafter, max_tokens=30)
+    results = []
+    for generator in (stock, ours):
+        uids = generator.insert(prompts)
+        out = {u: [] for u in uids}
+        while (responses := generator.next_generated()) or any(
+            len(v) < 30 for v in out.values()
+        ):
+            for r in responses:
+                out[r.uid].append(r.token)
+        results.append([out[u] for u in uids])
+    assert results[0] == results[1]
+
+
+def test_rows_roll_back_independently():
+    """Rolling one row back changes no other row's attention output."""
+    mx.random.seed(0)
+    cache = BatchRollbackKVCache(window=None, max_rollback=4)
+    cache.offset = mx.array([0, 0, 0], mx.int32)
+    keys = mx.random.normal((3, 1, 5, 8))
+    cache.update_and_fetch(keys, keys)
+    query = mx.random.normal((3, 1, 1, 8))
+
+    def attend():
+        mask = cache.make_mask(1)
+        k, v = cache.update_and_fetch(query, query)
+        out = mx.fast.scaled_dot_product_attention(query, k, v, scale=1.0, mask=mask)
+        cache.trim(1)
+        return out
+
+    before = attend()
+    cache.trim_rows([0, 3, 0])
+    after = attend()
+    assert mx.array_equal(before[0], after[0]) and mx.array_equal(before[2], after[2])
+    assert not mx.allclose(before[1], after[1])
+    # Row 1 now attends exactly to its first two keys and the query.
+    single = KVCache()
+    single.update_and_fetch(keys[1:2, :, :2], keys[1:2, :, :2])
+    k, v = single.update_and_fetch(query[1:2], query[1:2])
+    alone = mx.fast.scaled_dot_product_attention(query[1:2], k, v, scale=1.0)
+    assert mx.allclose(after[1:2], alone, atol=1e-6)
+
+
+@given(st.integers(2, 6), st.integers(1, 4), st.lists(st.integers(1, 30), min_size=1, max_size=4))
+def test_merge_extract_roundtrip_of_sliding_window_caches(window, rollback, lengths):
+    """A sliding-window cache that joins a batch, is compacted, and leaves
+    again attends exactly as it did."""
+    mx.random.seed(sum(lengths))
+    singles = []
+    for n in lengths:
+        c = SlidingWindowKVCache(window, rollback)
+        kv = mx.random.normal((1, 1, n, 4))
+        c.update_and_fetch(kv, kv)
+        singles.append(c)
+    batch = BatchRollbackKVCache.merge(singles, window, rollback)
+    batch.compact()
+    for i, c in enumerate(singles):
+        back = batch.extract(i)
+        q = mx.random.normal((1, 1, 1, 4))
+        outs = []
+        for cache in (c, back):
+            mask = cache.make_mask(1)
+            k, v = cache.update_and_fetch(q, q)
+            outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask))
+            cache.trim(1)
+        assert mx.allclose(outs[0], outs[1], atol=1e-6)
+
+
+def test_sampling_in_a_batch_has_the_targets_distribution():
+    """Rows that sample (T = 1, rejection sampling, budgets of 3 tokens: the
+    second round verifies two drafts) next to greedy rows and rows with
+    other settings: the first three tokens of each sampling row follow the
+    target's exact distribution, and the greedy rows stay greedy."""
+    model, drafter = trained("gemma4")
+    settings = dict(temp=1.0)
+    counts, greedy = Counter(), plain_greedy(model, PROMPT, 3)
+    mx.random.seed(7)
+    for _ in range(100):
+        generator = SpeculativeBatchGenerator(model, drafter)
+        samplers = [make_sampler(**settings)] * 6 + [None, make_sampler(0.7, top_k=5)]
+        processors = [[]] * 6 + [[], make_logits_processors(repetition_penalty=1.3)]
+        uids = generator.insert(
+            [PROMPT] * 8,
+            max_tokens=[3] * 8,
+            samplers=samplers,
+            logits_processors=processors,
+        )
+        out = {u: [] for u in uids}
+        while any(len(v) < 3 for v in out.values()):
+            for r in generator.next_generated():
+                out[r.uid].append(r.token)
+        for u in uids[:6]:
+            counts[tuple(out[u])] += 1
+        assert out[uids[6]] == greedy
+    assert goodness_of_fit(counts, exact_distribution(model, settings, {}, 3)) > ALPHA
+
+
+def test_expected_tokens_and_acceptance():
+    assert expected_tokens([0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5], 2) == 1.75
+    acceptance = Acceptance(3, prior_weight=0.0, decay=1.0)
+    acceptance.update(proposed=3, accepted=1)
+    acceptance.update(proposed=3, accepted=3)
+    # Position 2 was verified once (after position 1 was accepted twice).
+    assert acceptance.rates() == [1.0, 0.5, 1.0]
+
+
+def test_policy_parks_when_verifying_more_rows_costs_too_much():
+    """Flat verify costs favour every draft; costs that grow with the rows
+    verified favour plain batched decoding (k = 0), re-probed now and then."""
+    flat = RoundCosts(draft=0.002, verify=[0.010] * 5)
+    steep = RoundCosts(draft=0.004, verify=[0.010 * (n + 1) for n in range(5)])
+    rates = [[0.6] * 4] * 8
+    assert best_drafts(rates, [4] * 8, flat) == 4
+    assert best_drafts(rates, [4] * 8, steep) == 0
+    policy = BatchPolicy(lambda batch, depth: steep)
+    choices = [policy.choose(rates, [4] * 8, 100) for _ in range(32)]
+    assert choices.count(0) == 30 and choices[15] == choices[31] == 4
+
+
+def test_policy_choice_depends_on_batch_size():
+    """The same acceptance, costs that grow with the batch: more drafts for
+    one sequence than for sixteen."""
+
+    def costs(batch, depth):
+        per_row = 0.0005 * batch
+        return RoundCosts(draft=0.002, verify=[0.010 + per_row * n for n in range(1, 6)])
+
+    rates = [0.7] * 4
+    policy = BatchPolicy(costs)
+    assert policy.choose([rates], [4], 100) == 4
+    assert policy.choose([rates] * 16, [4] * 16, 100) < 4
+
+
+@pytest.mark.parametrize("drafts", [1, 2, 4])
+def test_num_draft_tokens_per_sequence_is_honoured(drafts):
+    model, drafter = trained("gemma4")
+    generator = SpeculativeBatchGenerator(model, drafter)
+    prompt = [5, 6, 7, 8, 9]
+    stats = SpeculativeStats(drafter.name, drafter.block_size)
+    tokens, _ = run(
+        generator,
+        [(0, prompt, dict(max_tokens=[30], num_draft_tokens=[drafts], stats=[stats]))],
+    )
+    assert tokens[0] == plain_greedy(model, prompt, 30)
+    assert max(r.proposed for r in stats.history) == drafts
+    assert stats.acceptance_lengths and sum(stats.acceptance_lengths) == 29
+
+
+@pytest.mark.parametrize("drafts", [0, 5, 2.0, True])
+def test_bad_num_draft_tokens_is_refused(drafts):
+    model, drafter = trained("gemma4")
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpeculativeBatchGenerator(model, drafter).insert(
+            [[5, 6]], num_draft_tokens=[drafts]
+        )
