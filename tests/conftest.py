@@ -1,11 +1,16 @@
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+# Calibrations and measured cost profiles go to a fresh folder, never the
+# user's cache (tests that look at them set their own).
+os.environ.setdefault("MLX_DSPARK_CACHE", tempfile.mkdtemp(prefix="mlx-dspark-tests-"))
 DEEPSPEC_TINY = FIXTURES / "deepspec-tiny"
 
 # "ci" (the default) keeps the whole suite to a few minutes on two cores;

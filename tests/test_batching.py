@@ -18,6 +18,7 @@ from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.batching.policy import (
     Acceptance,
     BatchPolicy,
+    FixedPolicy,
     best_drafts,
     expected_tokens,
 )
@@ -325,7 +326,7 @@ def test_policy_choice_depends_on_batch_size():
 @pytest.mark.parametrize("drafts", [1, 2, 4])
 def test_num_draft_tokens_per_sequence_is_honoured(drafts):
     model, drafter = trained("gemma4")
-    generator = SpeculativeBatchGenerator(model, drafter)
+    generator = SpeculativeBatchGenerator(model, drafter, policy=FixedPolicy())
     prompt = [5, 6, 7, 8, 9]
     stats = SpeculativeStats(drafter.name, drafter.block_size)
     tokens, _ = run(

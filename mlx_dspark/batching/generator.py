@@ -18,6 +18,7 @@ so the server's prompt cache stores what it expects).
 """
 
 import contextlib
+import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -35,11 +36,12 @@ from mlx_lm.generate_utils import BatchCounters, BatchCountersSnapshot, BatchSta
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..confidence.calibration import survival
+from ..confidence.costs import CostProfile, RoundCosts, RoundTimer, profile_path
 from ..spec.decoding import Decoding
 from ..spec.engine import adapt_target
 from ..spec.stats import Round, SpeculativeStats
 from .cache import BatchRollbackKVCache
-from .policy import Acceptance, FixedPolicy
+from .policy import Acceptance, BatchPolicy
 
 
 @dataclass
@@ -135,8 +137,10 @@ class SpeculativeBatchGenerator:
         drafter: A drafter that can propose for a batch (``propose_batch``).
         num_draft_tokens: Drafts per round at most, by default the drafter's
             block size; ``insert`` can set it per sequence.
-        policy: Chooses each round's drafts (``batching.policy``); by default
-            every sequence verifies as many as it may.
+        policy: Chooses each round's drafts (``batching.policy``): by
+            default ``BatchPolicy``, from round costs measured on this
+            machine for this batch size and depth (kept on disk, as the
+            cost scheduler's are).
         compact_waste: Slots a row may leave unused (rejected drafts, prompt
             padding) before the caches are packed.
         The rest are ``BatchGenerator``'s.
@@ -169,7 +173,9 @@ class SpeculativeBatchGenerator:
         self.prefill_batch_size = prefill_batch_size
         self.prefill_step_size = prefill_step_size
         self.num_draft_tokens = num_draft_tokens or drafter.block_size
-        self.policy = policy or FixedPolicy()
+        self.policy = policy or BatchPolicy()
+        if getattr(self.policy, "costs", False) is None:
+            self.policy.costs = self.measured_costs
         self.compact_waste = compact_waste
         self._stream = stream or generation_stream
         self._default_stop_sequences = StopSequences(stop_tokens or None)
@@ -184,6 +190,7 @@ class SpeculativeBatchGenerator:
             for c in self.target.make_cache(self._max_rollback)
         ]
         self._num_draft_caches = len(drafter.make_cache())
+        self._profiles = {}
 
     @property
     def stream(self):
@@ -459,6 +466,8 @@ class SpeculativeBatchGenerator:
         return None
 
     def _response(self, rows, b, s, token, log_probs, reason):
+        if reason and s.stats.rounds:
+            logging.info("Speculative decoding: %s", s.stats.summary())
         return GenerationBatch.Response(
             uid=s.uid,
             token=token,
@@ -474,6 +483,29 @@ class SpeculativeBatchGenerator:
         depth = max(len(s.tokens) for s in rows.sequences)
         k = self.policy.choose(rates, caps, depth)
         return [min(k, c) for c in caps]
+
+    def measured_costs(self, batch: int, depth: int) -> RoundCosts:
+        """A round's costs for the generating batch (of ``batch``
+        sequences) at ``depth``: measured on its live caches once per batch
+        size and depth bucket, then read from the profile on disk."""
+        rows = self._generation
+        anchors = mx.array([s.anchor for s in rows.sequences], mx.uint32)
+        drafts = self.drafter.max_draft_tokens
+
+        def verify(n):
+            out = self._forward(rows, mx.repeat(anchors[:, None], n, axis=1))
+            for c in rows.target_cache:
+                c.trim(n)
+            return out.logits, out.hidden
+
+        def draft():
+            proposal = self.drafter.propose_batch(rows.draft_cache, anchors, drafts)
+            return proposal.tokens, proposal.confidence
+
+        timer = RoundTimer(self.model, self.drafter, drafts, verify, draft, batch)
+        if timer.key not in self._profiles:
+            self._profiles[timer.key] = CostProfile(profile_path(timer.key))
+        return self._profiles[timer.key].costs(depth, timer)
 
     def _round(self):
         """One draft-and-verify round for every generating sequence."""

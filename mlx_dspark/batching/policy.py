@@ -15,7 +15,7 @@ acceptance and the measured costs.
 """
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from ..confidence.costs import RoundCosts
 
@@ -86,12 +86,14 @@ class BatchPolicy:
 
     Args:
         costs: ``costs(batch, depth) -> RoundCosts`` for a batch of
-            ``batch`` sequences at context depth ``depth``.
+            ``batch`` sequences at context depth ``depth``; by default the
+            generator measures them on its live caches
+            (``SpeculativeBatchGenerator.measured_costs``).
     """
 
     name = "cost"
 
-    def __init__(self, costs: Callable[[int, int], RoundCosts]):
+    def __init__(self, costs: Optional[Callable[[int, int], RoundCosts]] = None):
         self.costs = costs
         self.parked = 0
 
@@ -115,3 +117,6 @@ class FixedPolicy:
 
     def choose(self, rates, caps, depth: int) -> int:
         return max(caps, default=0)
+
+
+POLICIES = {"cost": BatchPolicy, "fixed": FixedPolicy}

@@ -75,6 +75,7 @@ class RoundTimer:
     drafts: int
     verify: Callable[[int], Any]
     draft: Callable[[], Any]
+    batch: int = 1  # sequences per round (``verify(n)`` runs batch x n rows)
 
     @cached_property
     def key(self) -> str:
@@ -82,6 +83,7 @@ class RoundTimer:
             "target": model_fingerprint(self.model),
             "drafter": getattr(self.drafter, "fingerprint", repr(self.drafter)),
             "drafts": self.drafts,
+            "batch": self.batch,
             "mlx": mx.__version__,
             "device": str(mx.default_device()),
             "device_info": mx.device_info(),

@@ -62,9 +62,12 @@ def _server_patches(module):
         (module, "LRUPromptCache", server.RollbackAwarePromptCache),
         (
             generator,
-            "_serve_single",
-            server.serve_single(generator._serve_single, module.GenerationContext),
+            "_next_request",
+            server.next_request(generator._next_request, module.GenerationContext),
         ),
+        (generator, "_serve_single", server.serve_single(generator._serve_single)),
+        (module.ModelProvider, "load", server.batchable_load(module.ModelProvider.load)),
+        (module, "BatchGenerator", server.batch_generator(module.BatchGenerator)),
         (generator, "generate", server.remember_context(generator.generate)),
         (
             handler,

@@ -36,6 +36,17 @@ mlx-dspark (hidden-state speculative drafters, e.g. DeepSeek DSpark/DFlash):
   Set MLX_DSPARK_DISABLE=1 to run mlx-lm unchanged.
 """
 
+SERVER_HELP = """\
+  --draft-batch-policy {cost,fixed,off}
+                                 mlx_lm.server with a DSpark/DFlash drafter
+                                 serves concurrent requests in one batch; each
+                                 round verifies the drafts that maximise the
+                                 batch's tokens/s on this machine (cost, the
+                                 default; 0 drafts = plain batched decoding),
+                                 all of them (fixed), or serves one request at
+                                 a time (off)
+"""
+
 PROCESSOR_HELP = """\
   Logits processors (mlx_lm.generate; the server takes them per request):
   --repetition-penalty P, --repetition-context-size N (default 20),
@@ -43,8 +54,10 @@ PROCESSOR_HELP = """\
 """
 
 # The logits processors mlx_lm.generate's flags ask for (mlx-lm's own CLI
-# has no such flags; the server takes them per request).
+# has no such flags; the server takes them per request), and how the server
+# batches requests with a drafter.
 generation_options = {}
+server_options = {}
 
 
 def _parser(with_processors: bool) -> argparse.ArgumentParser:
@@ -53,6 +66,10 @@ def _parser(with_processors: bool) -> argparse.ArgumentParser:
     parser.add_argument("--draft-kv-view", choices=("transformers", "clean"))
     parser.add_argument("--draft-scheduler", choices=SCHEDULERS)
     parser.add_argument("--draft-calibration")
+    if not with_processors:  # mlx_lm.server
+        parser.add_argument(
+            "--draft-batch-policy", choices=("cost", "fixed", "off"), default="cost"
+        )
     if with_processors:
         parser.add_argument("--repetition-penalty", type=float)
         parser.add_argument("--repetition-context-size", type=int, default=20)
@@ -99,6 +116,8 @@ def prepare(argv: List[str], with_processors: bool = False) -> Tuple[List[str], 
     ours, rest = _parser(with_processors).parse_known_args(argv)
     if with_processors:
         _set_processors(ours)
+    else:
+        server_options["batch_policy"] = ours.draft_batch_policy
     options = {}
     if ours.draft_confidence_threshold:
         options["confidence_threshold"] = ours.draft_confidence_threshold
@@ -155,7 +174,7 @@ def wrap_main(
     def main():
         argv = sys.argv[1:]
         if "-h" in argv or "--help" in argv:
-            print(HELP + (PROCESSOR_HELP if with_processors else ""))
+            print(HELP + (PROCESSOR_HELP if with_processors else SERVER_HELP))
             return original()
         try:
             argv, drafter = prepare(argv, with_processors)

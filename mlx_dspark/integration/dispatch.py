@@ -31,7 +31,11 @@ preloaded = {}
 
 @dataclass
 class StatsSlot:
+    """Where one request's speculative statistics go; ``num_draft_tokens``
+    is the request's own setting."""
+
     stats: Optional[SpeculativeStats] = None
+    num_draft_tokens: Optional[int] = None
 
 
 def is_drafter(obj) -> bool:

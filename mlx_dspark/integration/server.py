@@ -8,6 +8,7 @@ import threading
 
 from mlx_lm.models.cache import LRUPromptCache
 
+from .cli import server_options
 from .dispatch import StatsSlot, is_drafter, local, rollback_caches
 
 # Rollback depth of the caches the server makes, so that a cached context
@@ -80,39 +81,54 @@ def make_prompt_cache(original):
 
 class _ReportingQueue:
     """A request's response queue that hands the request's statistics slot
-    to the handler thread along with the generation context."""
+    to the handler thread along with the generation context, and to the
+    batch generator that the request is inserted into next."""
 
     def __init__(self, queue, slot, context_type):
         self._queue = queue
-        self._slot = slot
+        self.slot = slot
         self._context_type = context_type
 
     def put(self, item, *args, **kwargs):
         if isinstance(item, self._context_type):
-            item.speculative = self._slot
+            item.speculative = self.slot
+            local.inserting = self.slot
         self._queue.put(item, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._queue, name)
 
 
-def serve_single(original, context_type):
+def next_request(original, context_type):
+    """``ResponseGenerator._next_request``, giving each request that names a
+    draft model a statistics slot that travels with its response queue."""
+
+    def _next_request(self, timeout=None):
+        request = original(self, timeout)
+        if request is None or self._is_distributed:
+            return request
+        queue, completion, args = request
+        if args.model.draft is None or isinstance(queue, _ReportingQueue):
+            return request
+        slot = StatsSlot(num_draft_tokens=args.num_draft_tokens)
+        return _ReportingQueue(queue, slot, context_type), completion, args
+
+    return _next_request
+
+
+def serve_single(original):
     """``ResponseGenerator._serve_single`` that records the request's
     speculative statistics and logs them."""
 
     def _serve_single(self, request, stream):
-        if self.model_provider.draft_model is None:
-            return original(self, request, stream)
         queue, completion, args = request
-        slot = StatsSlot()
+        slot = getattr(queue, "slot", None)
+        if self.model_provider.draft_model is None or slot is None:
+            return original(self, request, stream)
         local.slot = slot
         local.max_rollback = max(SERVER_ROLLBACK, (args.num_draft_tokens or 0) + 1)
         try:
-            original(
-                self,
-                (_ReportingQueue(queue, slot, context_type), completion, args),
-                stream,
-            )
+            original(self, request, stream)
         finally:
             local.slot = None
             local.max_rollback = None
@@ -120,6 +136,38 @@ def serve_single(original, context_type):
             logging.info("Speculative decoding: %s", slot.stats.summary())
 
     return _serve_single
+
+
+def batchable_load(original):
+    """``ModelProvider.load``: a drafter that drafts for a batch makes the
+    server batch its requests, through ``ServerBatchGenerator``."""
+
+    def load(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        drafter = self.draft_model
+        policy = server_options.get("batch_policy", "cost")
+        if is_drafter(drafter) and hasattr(drafter, "propose_batch") and policy != "off":
+            self.is_batchable = True
+            local.batch_pair = (self.model, drafter, policy)
+        return result
+
+    return load
+
+
+def batch_generator(original):
+    """``mlx_lm.server.BatchGenerator``: the speculative one for the target
+    that ``batchable_load`` paired with a drafter, mlx-lm's otherwise."""
+
+    def make(model, **kwargs):
+        target, drafter, policy = getattr(local, "batch_pair", (None, None, None))
+        if target is not model:
+            return original(model, **kwargs)
+        from ..batching.policy import POLICIES
+        from .batch import ServerBatchGenerator
+
+        return ServerBatchGenerator(model, drafter, policy=POLICIES[policy](), **kwargs)
+
+    return make
 
 
 def remember_context(original):

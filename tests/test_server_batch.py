@@ -1,0 +1,77 @@
+"""``mlx_lm.server`` with a drafter batches concurrent requests: a real
+server process on loopback, with the bundled tiny models."""
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from test_integration import DSPARK, Server, streamed_text, text_of
+
+
+def request(i):
+    """A mix of endpoints, streaming, budgets and per-request drafts."""
+    rng = random.Random(i)
+    words = " ".join(f"w{rng.randrange(5, 500)}" for _ in range(rng.randrange(1, 12)))
+    body = {"max_tokens": rng.randrange(1, 60)}
+    if i % 3:
+        body["num_draft_tokens"] = rng.randrange(1, 5)
+    if i % 2:
+        endpoint, body["messages"] = "/v1/chat/completions", [
+            {"role": "user", "content": words}
+        ]
+    else:
+        endpoint, body["prompt"] = "/v1/completions", words
+    if i % 4 == 1:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return endpoint, body
+
+
+def answer(server, endpoint, body):
+    response = server.post(endpoint, body)
+    if body.get("stream"):
+        return streamed_text(response), response[-1]["usage"]
+    return text_of(response), response["usage"]
+
+
+@pytest.fixture(scope="module")
+def three_servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("batch-servers")
+    servers = (
+        Server(tmp, "--draft-model", DSPARK),
+        Server(tmp, "--draft-model", DSPARK, "--draft-batch-policy", "off"),
+        Server(tmp),
+    )
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.mark.parametrize("clients", [8, 16])
+def test_concurrent_clients_get_the_stock_servers_responses(three_servers, clients):
+    """Every response of the batched speculative server, and of the
+    one-at-a-time one, equals the stock server's (no drafter), with each
+    request's own speculative statistics."""
+    batched, single, stock = three_servers
+    requests = [request(clients * 100 + i) for i in range(clients)]
+    expected = [answer(stock, *r)[0] for r in requests]
+    for server, policy in ((batched, "cost"), (single, "fixed")):
+        with ThreadPoolExecutor(clients) as pool:
+            got = list(pool.map(lambda r: answer(server, *r), requests))
+        assert [text for text, _ in got] == expected
+        for (_, body), (_, usage) in zip(requests, got):
+            stats = usage["speculative"]
+            assert stats["scheduler"] == policy
+            assert stats["rounds"] >= (body["max_tokens"] > 1)
+            assert sum(1 for r in stats["acceptance_by_position"] if r is not None) <= (
+                body.get("num_draft_tokens", 4)
+            )
+
+
+def test_the_batched_server_logs_each_requests_statistics(three_servers):
+    batched, _, _ = three_servers
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: answer(batched, *request(i)), range(4)))
+    log = batched.log.read_text()
+    assert log.count("Speculative decoding: dspark (greedy):") >= 4
