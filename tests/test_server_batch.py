@@ -29,7 +29,17 @@ def request(i):
 
 
 def answer(server, endpoint, body):
-    response = server.post(endpoint, body)
+    # mlx-lm's HTTP server listens with socketserver's backlog of 5: with
+    # more clients connecting at once, this machine resets some connections
+    # before the request is read (the stock server too). Such a request
+    # was never served, so it is sent again.
+    for attempt in range(5):
+        try:
+            response = server.post(endpoint, body)
+            break
+        except ConnectionResetError:
+            if attempt == 4:
+                raise
     if body.get("stream"):
         return streamed_text(response), response[-1]["usage"]
     return text_of(response), response["usage"]
