@@ -115,10 +115,12 @@ class Field:
     low: Optional[float] = None
     high: Optional[Union[float, str]] = None
     required: bool = True
+    nullable: bool = False  # an explicit null stands for "none" (else it is an error)
 
 
 SIZE = Field("integer", 1, LARGEST)
 OPTIONAL_SIZE = Field("integer", 1, LARGEST, required=False)
+NULLABLE_SIZE = Field("integer", 1, LARGEST, required=False, nullable=True)
 FLAG = Field("boolean", required=False)
 
 
@@ -138,8 +140,8 @@ def field_problems(config: dict, fields: Dict[str, Field], shapes: dict) -> list
     problems = []
     for name, field in fields.items():
         value = config.get(name)
-        if value is None:
-            continue
+        if name not in config or (value is None and (field.required or field.nullable)):
+            continue  # missing (require_keys reports required ones) or null
         high = largest if field.high == LARGEST else field.high
         wanted = problem(value, field.kind, field.low, high)
         if wanted is not None:
@@ -211,6 +213,8 @@ def load_network(path: Path, model_class, args_class, dtype=None, lazy: bool = F
         raise ValueError(
             f"{path}/config.json describes tensors too large to build ({e})."
         ) from None
+    except OSError as e:
+        raise ValueError(f"A file of {path} cannot be read ({e}).") from None
     except ValueError as e:
         raise ValueError(
             f"The weights in {path} do not match its config.json: "

@@ -52,7 +52,7 @@ COMMON_FIELDS = {
     "rms_norm_eps": Field("number", 0, required=False),
     "max_position_embeddings": Field("integer", 1, required=False),
     "markov_rank": Field("integer", 0, LARGEST, required=False),
-    "markov_head_type": Field("string", required=False),
+    "markov_head_type": Field("string", required=False, nullable=True),
     "enable_confidence_head": FLAG,
     "confidence_head_with_markov": FLAG,
 }

@@ -26,6 +26,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..cache import SlidingWindowKVCache
 from ..checkpoints import (
     FLAG,
+    NULLABLE_SIZE,
     OPTIONAL_SIZE,
     SIZE,
     Field,
@@ -38,7 +39,7 @@ from ..checkpoints import (
     shape_problems,
     tensor_shapes,
 )
-from ..plugins import DrafterKind, hookimpl
+from ..plugins import DrafterKind, architecture, hookimpl
 from ..targets.base import FINAL
 from ..validation import check, problem
 from .base import Proposal
@@ -455,7 +456,7 @@ TEXT_FIELDS = {
     "sliding_window": Field("integer", 1),
     "rope_parameters": Field("object"),
     "vocab_size": SIZE,
-    "num_global_key_value_heads": OPTIONAL_SIZE,
+    "num_global_key_value_heads": NULLABLE_SIZE,
     "attention_k_eq_v": FLAG,
     "rms_norm_eps": Field("number", 0, required=False),
     "max_position_embeddings": Field("integer", 1, required=False),
@@ -532,14 +533,13 @@ def load(
     path: Path, config: dict, kv_view: str = "transformers", dtype=None, lazy=False
 ):
     validate_config(config, path, tensor_shapes(path))
+    block_size = block_size_of(path)
     model = load_network(path, Model, ModelArgs, dtype, lazy)
-    return AssistantDrafter(model, path, block_size_of(path), kv_view)
+    return AssistantDrafter(model, path, block_size, kv_view)
 
 
 def detect(config: dict) -> bool:
-    return (config.get("architectures") or [None])[0] in ARCHITECTURES or config.get(
-        "model_type"
-    ) in MODEL_TYPES
+    return architecture(config) in ARCHITECTURES or config.get("model_type") in MODEL_TYPES
 
 
 KIND = DrafterKind(

@@ -18,8 +18,8 @@ from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.gemma4_text import geglu, logit_softcap
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..checkpoints import FLAG, OPTIONAL_SIZE, SIZE, Field, tensor_shapes
-from ..plugins import DrafterKind, hookimpl
+from ..checkpoints import FLAG, NULLABLE_SIZE, SIZE, Field, tensor_shapes
+from ..plugins import DrafterKind, architecture, hookimpl
 from ..validation import problem
 from .common import ContextBlockAttention, DrafterModel
 from .deepspec import load_deepspec, validate_config
@@ -149,9 +149,9 @@ class Model(DrafterModel):
 FIELDS = {
     "global_head_dim": SIZE,
     "rope_parameters": Field("object"),
-    "num_global_key_value_heads": OPTIONAL_SIZE,
+    "num_global_key_value_heads": NULLABLE_SIZE,
     "attention_k_eq_v": FLAG,
-    "final_logit_softcapping": Field("positive", required=False),
+    "final_logit_softcapping": Field("positive", required=False, nullable=True),
     "hidden_activation": Field("string", required=False),
 }
 
@@ -209,9 +209,7 @@ def load(
 KIND = DrafterKind(
     name="deepspec-gemma4",
     architectures=("Gemma4DSparkModel",),
-    detect=lambda config: (
-        (config.get("architectures") or [None])[0] == "Gemma4DSparkModel"
-    ),
+    detect=lambda config: architecture(config) == "Gemma4DSparkModel",
     load=load,
 )
 

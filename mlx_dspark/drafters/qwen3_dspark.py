@@ -17,7 +17,7 @@ from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..checkpoints import SIZE, Field, tensor_shapes
-from ..plugins import DrafterKind, hookimpl
+from ..plugins import DrafterKind, architecture, hookimpl
 from ..validation import problem
 from .common import ContextBlockAttention, DrafterModel
 from .deepspec import load_deepspec, validate_config
@@ -126,9 +126,9 @@ class Model(DrafterModel):
 
 FIELDS = {
     "head_dim": SIZE,
-    "rope_theta": Field("positive", required=False),
-    "rope_scaling": Field("object", required=False),
-    "rope_parameters": Field("object", required=False),
+    "rope_theta": Field("positive", required=False, nullable=True),
+    "rope_scaling": Field("object", required=False, nullable=True),
+    "rope_parameters": Field("object", required=False, nullable=True),
     "hidden_act": Field("string", required=False),
 }
 
@@ -176,9 +176,7 @@ def load(
 KIND = DrafterKind(
     name="deepspec-qwen3",
     architectures=("Qwen3DSparkModel",),
-    detect=lambda config: (
-        (config.get("architectures") or [None])[0] == "Qwen3DSparkModel"
-    ),
+    detect=lambda config: architecture(config) == "Qwen3DSparkModel",
     load=load,
 )
 
