@@ -5,7 +5,6 @@ the next request is answered as before)."""
 
 import json
 import shutil
-import subprocess
 import urllib.error
 import urllib.request
 
@@ -20,7 +19,7 @@ import mlx_dspark
 from mlx_dspark import speculative_generate_step
 
 from conftest import DEEPSPEC_TINY, FIXTURES
-from test_integration import BIN, PROMPT, TARGET, Server, cli, env, generate, text_of
+from test_integration import PROMPT, Server, generate, text_of
 from tiny import tiny_gemma4
 
 DSPARK = DEEPSPEC_TINY / "dspark_tiny_gemma4_block4"
