@@ -13,6 +13,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .spec.engine import speculative_generate_step
 from .spec.stats import SpeculativeStats
+from .validation import check_drafter, check_max_tokens, problem
 
 
 @dataclass
@@ -30,7 +31,14 @@ def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
             tokenizer.bos_token
         )
         prompt = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-    return mx.array(prompt)
+    if not isinstance(prompt, (list, tuple)) or any(
+        problem(t, "integer") for t in prompt
+    ):
+        raise ValueError(
+            "prompt must be a string, a list of token ids (integers) or an "
+            f"mx.array of them, got {prompt!r:.80}."
+        )
+    return mx.array(prompt) if prompt else mx.array([], mx.uint32)
 
 
 def stream_generate(
@@ -54,10 +62,9 @@ def stream_generate(
             model, tokenizer, prompt, max_tokens, **kwargs
         )
         return
-    if max_tokens == 0:
-        raise ValueError(
-            "Maximum number of tokens must be non-zero (use -1 for no limit)."
-        )
+    check_drafter(draft, "draft")
+    if check_max_tokens(max_tokens) == 0:
+        raise ValueError("max_tokens must be non-zero (use -1 for no limit).")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt = _encode(tokenizer, prompt)

@@ -86,6 +86,15 @@ class Hookspecs:
         """
 
 
+def architecture(config: dict) -> Optional[str]:
+    """``architectures[0]`` of a parsed ``config.json``, if it is a string."""
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and architectures:
+        name = architectures[0]
+        return name if isinstance(name, str) else None
+    return None
+
+
 def make_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
     """A fresh plugin manager, with the installed ``mlx_dspark`` plugins loaded."""
     pm = pluggy.PluginManager(PROJECT)

@@ -224,7 +224,7 @@ def corrupt_drafter(tmp_path):
         ("untappable", "not supported for hidden-state drafting"),
         (
             "too-many-drafts",
-            "--num-draft-tokens must be between 1 and 4 for this drafter (its trained block size is 4), got 5",
+            "--num-draft-tokens must be an integer between 1 and 4 for this drafter (its trained block size is 4), got 5",
         ),
     ],
 )

@@ -16,24 +16,54 @@ from typing import Callable, List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ..checkpoints import load_network, require_keys
+from ..checkpoints import (
+    FLAG,
+    LARGEST,
+    SIZE,
+    Field,
+    check_fields,
+    invalid_config,
+    layer_count,
+    load_network,
+    shape_problems,
+)
 from ..confidence.calibration import drafter_fingerprint, resolve_calibration
 from ..confidence.schedulers import make_scheduler
+from ..validation import check, problem
 from .base import Proposal
 from .heads import MARKOV_HEADS
 
-COMMON_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "vocab_size",
-    "block_size",
-    "num_target_layers",
-    "target_layer_ids",
-    "mask_token_id",
-)
+# The most drafts per round a checkpoint may ask for: DeepSpec trains blocks of
+# 7 to 16, and every round holds block + 1 rows of target logits and caches
+# that roll back that far.
+MAX_BLOCK_SIZE = 64
+
+COMMON_FIELDS = {
+    "hidden_size": SIZE,
+    "intermediate_size": SIZE,
+    "num_hidden_layers": SIZE,
+    "num_attention_heads": SIZE,
+    "num_key_value_heads": SIZE,
+    "vocab_size": SIZE,
+    "block_size": Field("integer", 1, MAX_BLOCK_SIZE),
+    "num_target_layers": Field("integer", 1),
+    "target_layer_ids": Field("list"),
+    "mask_token_id": Field("integer", 0),
+    "attention_bias": FLAG,
+    "rms_norm_eps": Field("number", 0, required=False),
+    "max_position_embeddings": Field("integer", 1, required=False),
+    "markov_rank": Field("integer", 0, LARGEST, required=False),
+    "markov_head_type": Field("string", required=False, nullable=True),
+    "enable_confidence_head": FLAG,
+    "confidence_head_with_markov": FLAG,
+}
+
+# Config fields and the tensor whose first dimension each one is.
+FIRST_DIMS = {
+    "vocab_size": "embed_tokens.weight",
+    "hidden_size": "norm.weight",
+    "intermediate_size": "layers.0.mlp.gate_proj.weight",
+}
 
 
 def _argmax_draw(logits: mx.array):
@@ -67,10 +97,7 @@ class DeepSpecDrafter:
         calibration=None,
         fingerprint: Optional[str] = None,
     ):
-        if not 0.0 <= confidence_threshold <= 1.0:
-            raise ValueError(
-                f"confidence_threshold must be in [0, 1], got {confidence_threshold}."
-            )
+        check(confidence_threshold, "confidence_threshold", "number", 0, 1)
         self.model = model
         self.family = family
         self.path = path
@@ -198,37 +225,38 @@ class DeepSpecDrafter:
         return self.model.confidence_head(features)
 
 
-def _invalid(path: Path, problems) -> ValueError:
-    return ValueError(
-        f"{path}/config.json is not a valid DeepSpec drafter config: "
-        + "; ".join(problems)
-        + "."
-    )
+def validate_config(config: dict, path: Path, shapes: dict, fields: dict, family_problems) -> None:
+    """Check a DeepSpec drafter config against what every family needs plus
+    the family's ``fields``, then against the weights' ``shapes`` and, with
+    every field of the right type, the family's ``family_problems(config)``;
+    raise one ValueError listing all problems."""
+    fields = {**COMMON_FIELDS, **fields}
+    check_fields(config, fields, shapes, path, "DeepSpec drafter")
+    ids = config["target_layer_ids"]
+    if any(problem(i, "integer") for i in ids):
+        raise invalid_config(
+            path, "DeepSpec drafter", [f"target_layer_ids must be integers, got {ids!r}"]
+        )
 
-
-def validate_config(config: dict, path: Path, required_keys, problems=()) -> None:
-    """Check what every DeepSpec drafter config must satisfy, plus the
-    family's own ``problems``; raise one ValueError listing them all."""
-    require_keys(config, COMMON_KEYS + tuple(required_keys), path)
-    not_ints = [
-        f"{key} must be an integer, got {config[key]!r}"
-        for key in ("block_size", "num_target_layers", "vocab_size", "mask_token_id")
-        if not isinstance(config[key], int) or isinstance(config[key], bool)
-    ]
-    if not_ints:
-        raise _invalid(path, not_ints)
-
-    problems = list(problems)
-    layers = config["num_target_layers"]
-    ids = list(config["target_layer_ids"])
-    if not ids or ids != sorted(set(ids)) or ids[0] < -1 or ids[-1] >= layers - 1:
+    problems = shape_problems(config, shapes, FIRST_DIMS)
+    layers = layer_count(shapes, "layers.")
+    if config["num_hidden_layers"] != layers:
+        problems.append(
+            f"num_hidden_layers is {config['num_hidden_layers']} but the weights "
+            f"hold {layers} layers"
+        )
+    target_layers = config["num_target_layers"]
+    if not ids or ids != sorted(set(ids)) or ids[0] < -1 or ids[-1] >= target_layers - 1:
         problems.append(
             f"target_layer_ids {ids} must be strictly increasing, each in "
-            f"[-1, {layers - 2}] (the last target layer cannot be tapped)"
+            f"[-1, {target_layers - 2}] (the last target layer cannot be tapped)"
         )
-    if config["block_size"] < 1:
-        problems.append(f"block_size {config['block_size']} must be >= 1")
-    if not 0 <= config["mask_token_id"] < config["vocab_size"]:
+    positions = config.get("max_position_embeddings")
+    if positions is not None and config["block_size"] > positions:
+        problems.append(
+            f"block_size {config['block_size']} exceeds max_position_embeddings {positions}"
+        )
+    if config["mask_token_id"] >= config["vocab_size"]:
         problems.append(
             f"mask_token_id {config['mask_token_id']} is outside the vocabulary "
             f"[0, {config['vocab_size']})"
@@ -245,8 +273,9 @@ def validate_config(config: dict, path: Path, required_keys, problems=()) -> Non
         and rank <= 0
     ):
         problems.append("confidence_head_with_markov needs markov_rank > 0")
+    problems += family_problems(config)
     if problems:
-        raise _invalid(path, problems)
+        raise invalid_config(path, "DeepSpec drafter", problems)
 
 
 def load_deepspec(path: Path, model_class, args_class, family, options: dict):

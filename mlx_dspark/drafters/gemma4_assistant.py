@@ -12,7 +12,6 @@ drafts greedily in transformers; here it may also sample. It writes nothing:
 its state is the seed hidden and which K/V entries it may look at.
 """
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -25,9 +24,24 @@ from mlx_lm.models.gemma4_text import geglu
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..cache import SlidingWindowKVCache
-from ..checkpoints import load_network, require_keys
-from ..plugins import DrafterKind, hookimpl
+from ..checkpoints import (
+    FLAG,
+    NULLABLE_SIZE,
+    OPTIONAL_SIZE,
+    SIZE,
+    Field,
+    check_fields,
+    field_problems,
+    invalid_config,
+    layer_count,
+    load_network,
+    read_json,
+    shape_problems,
+    tensor_shapes,
+)
+from ..plugins import DrafterKind, architecture, hookimpl
 from ..targets.base import FINAL
+from ..validation import check, problem
 from .base import Proposal
 
 ARCHITECTURES = ("Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM")
@@ -422,55 +436,86 @@ class AssistantDrafter:
         )
 
 
-TEXT_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "head_dim",
-    "global_head_dim",
-    "num_key_value_heads",
-    "layer_types",
-    "sliding_window",
-    "rope_parameters",
-    "vocab_size",
-)
+FIELDS = {
+    "backbone_hidden_size": SIZE,
+    "text_config": Field("object"),
+    "use_ordered_embeddings": FLAG,
+    "num_centroids": OPTIONAL_SIZE,
+    "centroid_intermediate_top_k": OPTIONAL_SIZE,
+}
+
+TEXT_FIELDS = {
+    "hidden_size": SIZE,
+    "intermediate_size": SIZE,
+    "num_hidden_layers": SIZE,
+    "num_attention_heads": SIZE,
+    "head_dim": SIZE,
+    "global_head_dim": SIZE,
+    "num_key_value_heads": SIZE,
+    "layer_types": Field("list"),
+    "sliding_window": Field("integer", 1),
+    "rope_parameters": Field("object"),
+    "vocab_size": SIZE,
+    "num_global_key_value_heads": NULLABLE_SIZE,
+    "attention_k_eq_v": FLAG,
+    "rms_norm_eps": Field("number", 0, required=False),
+    "max_position_embeddings": Field("integer", 1, required=False),
+}
+
+# text_config fields and the tensor whose first dimension each one is.
+FIRST_DIMS = {
+    "vocab_size": "model.embed_tokens.weight",
+    "hidden_size": "model.norm.weight",
+}
 
 
-def validate_config(config: dict, path: Path) -> None:
-    require_keys(config, ("backbone_hidden_size", "text_config"), path)
+def validate_config(config: dict, path: Path, shapes: dict) -> None:
+    check_fields(config, FIELDS, shapes, path, "assistant")
     text = config["text_config"]
-    missing = [k for k in TEXT_KEYS if text.get(k) is None]
+    missing = [k for k, f in TEXT_FIELDS.items() if f.required and text.get(k) is None]
     if missing:
         raise ValueError(
             f"{path}/config.json: text_config lacks {', '.join(missing)}. (transformers "
             ">= 5.24 writes global_head_dim and num_global_key_value_heads only under "
             "per_layer_config; add them back as top-level text_config keys.)"
         )
-    problems = []
+    problems = [
+        f"text_config.{p}" for p in field_problems(text, TEXT_FIELDS, shapes)
+    ]
+    if problems:
+        raise invalid_config(path, "assistant", problems)
+    problems = shape_problems(text, shapes, FIRST_DIMS)
+    layers = layer_count(shapes, "model.layers.")
+    if text["num_hidden_layers"] != layers:
+        problems.append(
+            f"num_hidden_layers is {text['num_hidden_layers']} but the weights "
+            f"hold {layers} layers"
+        )
     types = text["layer_types"]
-    if len(types) != text["num_hidden_layers"] or set(types) - {
+    if len(types) != text["num_hidden_layers"] or set(map(str, types)) - {
         "sliding_attention",
         "full_attention",
     }:
         problems.append(
             f"layer_types {types} do not describe {text['num_hidden_layers']} layers"
         )
-    for kind in set(types):
-        if "rope_theta" not in (text["rope_parameters"].get(kind) or {}):
-            problems.append(f"rope_parameters has no rope_theta for {kind}")
+    for kind in set(map(str, types)):
+        rope = text["rope_parameters"].get(kind)
+        if not isinstance(rope, dict) or problem(rope.get("rope_theta"), "positive"):
+            problems.append(f"rope_parameters has no positive rope_theta for {kind}")
     if config.get("use_ordered_embeddings"):
         centroids = config.get("num_centroids") or 0
         if centroids <= 0 or text["vocab_size"] % centroids:
             problems.append(
                 f"num_centroids {centroids} must divide the vocabulary ({text['vocab_size']})"
             )
+        top_k = config.get("centroid_intermediate_top_k", 32)
+        if top_k > centroids:
+            problems.append(
+                f"centroid_intermediate_top_k {top_k} exceeds num_centroids {centroids}"
+            )
     if problems:
-        raise ValueError(
-            f"{path}/config.json is not a valid assistant config: "
-            + "; ".join(problems)
-            + "."
-        )
+        raise invalid_config(path, "assistant", problems)
 
 
 def block_size_of(path: Path) -> int:
@@ -478,31 +523,23 @@ def block_size_of(path: Path) -> int:
     file = path / "generation_config.json"
     if not file.exists():
         return DEFAULT_NUM_ASSISTANT_TOKENS
-    try:
-        tokens = json.loads(file.read_text()).get("num_assistant_tokens")
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON ({e}).") from None
+    tokens = read_json(file).get("num_assistant_tokens")
     if tokens is None:
         return DEFAULT_NUM_ASSISTANT_TOKENS
-    if not isinstance(tokens, int) or not 1 <= tokens <= MAX_DRAFT_TOKENS:
-        raise ValueError(
-            f"{file}: num_assistant_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {tokens!r}."
-        )
-    return tokens
+    return check(tokens, f"{file}: num_assistant_tokens", "integer", 1, MAX_DRAFT_TOKENS)
 
 
 def load(
     path: Path, config: dict, kv_view: str = "transformers", dtype=None, lazy=False
 ):
-    validate_config(config, path)
+    validate_config(config, path, tensor_shapes(path))
+    block_size = block_size_of(path)
     model = load_network(path, Model, ModelArgs, dtype, lazy)
-    return AssistantDrafter(model, path, block_size_of(path), kv_view)
+    return AssistantDrafter(model, path, block_size, kv_view)
 
 
 def detect(config: dict) -> bool:
-    return (config.get("architectures") or [None])[0] in ARCHITECTURES or config.get(
-        "model_type"
-    ) in MODEL_TYPES
+    return architecture(config) in ARCHITECTURES or config.get("model_type") in MODEL_TYPES
 
 
 KIND = DrafterKind(

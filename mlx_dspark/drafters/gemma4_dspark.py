@@ -18,7 +18,9 @@ from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.gemma4_text import geglu, logit_softcap
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..plugins import DrafterKind, hookimpl
+from ..checkpoints import FLAG, NULLABLE_SIZE, SIZE, Field, tensor_shapes
+from ..plugins import DrafterKind, architecture, hookimpl
+from ..validation import problem
 from .common import ContextBlockAttention, DrafterModel
 from .deepspec import load_deepspec, validate_config
 
@@ -144,7 +146,14 @@ class Model(DrafterModel):
         return logits
 
 
-REQUIRED_KEYS = ("global_head_dim", "rope_parameters")
+FIELDS = {
+    "global_head_dim": SIZE,
+    "rope_parameters": Field("object"),
+    "num_global_key_value_heads": NULLABLE_SIZE,
+    "attention_k_eq_v": FLAG,
+    "final_logit_softcapping": Field("positive", required=False, nullable=True),
+    "hidden_activation": Field("string", required=False),
+}
 
 
 def config_problems(config: dict) -> list:
@@ -158,11 +167,17 @@ def config_problems(config: dict) -> list:
         problems.append(
             "MoE blocks and per-layer inputs are not part of DSpark drafters"
         )
-    full = (config.get("rope_parameters") or {}).get("full_attention")
+    full = config["rope_parameters"].get("full_attention")
     if not isinstance(full, dict) or full.get("rope_theta") is None:
         problems.append(
             "rope_parameters has no 'full_attention' entry with a rope_theta"
         )
+        return problems
+    if problem(full["rope_theta"], "positive"):
+        problems.append(f"rope_theta must be a number > 0, got {full['rope_theta']!r}")
+    factor = full.get("partial_rotary_factor", 1.0)
+    if problem(factor, "number", 0, 1):
+        problems.append(f"partial_rotary_factor must be a number in [0, 1], got {factor!r}")
     return problems
 
 
@@ -175,7 +190,7 @@ def load(
     dtype=None,
     lazy=False,
 ):
-    validate_config(config, path, REQUIRED_KEYS, config_problems(config))
+    validate_config(config, path, tensor_shapes(path), FIELDS, config_problems)
     return load_deepspec(
         path,
         Model,
@@ -194,9 +209,7 @@ def load(
 KIND = DrafterKind(
     name="deepspec-gemma4",
     architectures=("Gemma4DSparkModel",),
-    detect=lambda config: (
-        (config.get("architectures") or [None])[0] == "Gemma4DSparkModel"
-    ),
+    detect=lambda config: architecture(config) == "Gemma4DSparkModel",
     load=load,
 )
 

@@ -16,7 +16,9 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..plugins import DrafterKind, hookimpl
+from ..checkpoints import SIZE, Field, tensor_shapes
+from ..plugins import DrafterKind, architecture, hookimpl
+from ..validation import problem
 from .common import ContextBlockAttention, DrafterModel
 from .deepspec import load_deepspec, validate_config
 
@@ -122,14 +124,24 @@ class Model(DrafterModel):
         super().__init__(args, DecoderLayer)
 
 
-REQUIRED_KEYS = ("head_dim",)
+FIELDS = {
+    "head_dim": SIZE,
+    "rope_theta": Field("positive", required=False, nullable=True),
+    "rope_scaling": Field("object", required=False, nullable=True),
+    "rope_parameters": Field("object", required=False, nullable=True),
+    "hidden_act": Field("string", required=False),
+}
 
 
 def config_problems(config: dict) -> list:
     problems = []
-    rope = config.get("rope_parameters") or {}
-    if config.get("rope_theta") is None and rope.get("rope_theta") is None:
+    theta = config.get("rope_theta")
+    if theta is None:
+        theta = (config.get("rope_parameters") or {}).get("rope_theta")
+    if theta is None:
         problems.append("there is no rope_theta (top level or in rope_parameters)")
+    elif problem(theta, "positive"):
+        problems.append(f"rope_theta must be a number > 0, got {theta!r}")
     activation = config.get("hidden_act", "silu")
     if activation != "silu":
         problems.append(f"hidden_act {activation!r} is not supported")
@@ -145,7 +157,7 @@ def load(
     dtype=None,
     lazy=False,
 ):
-    validate_config(config, path, REQUIRED_KEYS, config_problems(config))
+    validate_config(config, path, tensor_shapes(path), FIELDS, config_problems)
     return load_deepspec(
         path,
         Model,
@@ -164,9 +176,7 @@ def load(
 KIND = DrafterKind(
     name="deepspec-qwen3",
     architectures=("Qwen3DSparkModel",),
-    detect=lambda config: (
-        (config.get("architectures") or [None])[0] == "Qwen3DSparkModel"
-    ),
+    detect=lambda config: architecture(config) == "Qwen3DSparkModel",
     load=load,
 )
 

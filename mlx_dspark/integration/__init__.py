@@ -48,7 +48,7 @@ def _generate_patches(module):
 
 def _server_patches(module):
     from ..spec import sampling
-    from . import cli, dispatch, server
+    from . import checks, cli, dispatch, server
 
     generator, handler = module.ResponseGenerator, module.APIHandler
     return [
@@ -78,6 +78,11 @@ def _server_patches(module):
             handler,
             "completion_usage_response",
             server.with_speculative_usage(handler.completion_usage_response),
+        ),
+        (
+            handler,
+            "validate_model_parameters",
+            checks.checking_requests(handler.validate_model_parameters),
         ),
         (module, "main", cli.wrap_main(module.main, "mlx_lm.server")),
     ]

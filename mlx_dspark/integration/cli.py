@@ -11,10 +11,16 @@ from typing import Callable, List, Optional, Tuple
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import _download, load_model
 
-from ..checkpoints import load_drafter
+from ..checkpoints import load_drafter, looks_like_drafter
 from ..confidence.schedulers import SCHEDULERS
 from ..spec.engine import adapt_target
-from ..plugins import drafter_kinds
+from ..plugins import drafter_kinds, find_drafter_kind
+from ..validation import (
+    check_num_draft_tokens,
+    check_token_ids,
+    parse_logit_bias,
+    vocab_size,
+)
 from .dispatch import StatsSlot, checkpoint_config, drafter_options, local, preloaded
 
 HELP = """\
@@ -54,14 +60,22 @@ PROCESSOR_HELP = """\
 """
 
 # The logits processors mlx_lm.generate's flags ask for (mlx-lm's own CLI
-# has no such flags; the server takes them per request), and how the server
-# batches requests with a drafter.
+# has no such flags; the server takes them per request), and the logit bias,
+# checked against the model once it is loaded; and how the server batches
+# requests with a drafter.
 generation_options = {}
 server_options = {}
 
 
+class _Parser(argparse.ArgumentParser):
+    """Flag errors as ValueError, so that they end in one ``error:`` line."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
 def _parser(with_processors: bool) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = _Parser(add_help=False)
     parser.add_argument("--draft-confidence-threshold", type=float, default=0.0)
     parser.add_argument("--draft-kv-view", choices=("transformers", "clean"))
     parser.add_argument("--draft-scheduler", choices=SCHEDULERS)
@@ -75,7 +89,7 @@ def _parser(with_processors: bool) -> argparse.ArgumentParser:
         parser.add_argument("--repetition-context-size", type=int, default=20)
         parser.add_argument("--presence-penalty", type=float)
         parser.add_argument("--frequency-penalty", type=float)
-        parser.add_argument("--logit-bias", type=json.loads)
+        parser.add_argument("--logit-bias")
     return parser
 
 
@@ -84,11 +98,10 @@ def _set_processors(ours: argparse.Namespace) -> None:
     bias = ours.logit_bias
     if bias is not None:
         try:
-            bias = {int(k): float(v) for k, v in bias.items()}
-        except (AttributeError, ValueError):
-            raise ValueError(
-                "--logit-bias must be a JSON object of token ids to biases, e.g. '{\"42\": -5}'."
-            ) from None
+            bias = json.loads(bias)
+        except json.JSONDecodeError:
+            pass  # parse_logit_bias says what it must be
+        bias = generation_options["logit_bias"] = parse_logit_bias(bias, "--logit-bias")
     processors = make_logits_processors(
         logit_bias=bias,
         repetition_penalty=ours.repetition_penalty,
@@ -101,7 +114,7 @@ def _set_processors(ours: argparse.Namespace) -> None:
 
 
 def _probe(argv: List[str]) -> argparse.Namespace:
-    probe = argparse.ArgumentParser(add_help=False)
+    probe = _Parser(add_help=False)
     probe.add_argument("--model")
     probe.add_argument("--draft-model")
     probe.add_argument("--num-draft-tokens", type=int)
@@ -129,6 +142,8 @@ def prepare(argv: List[str], with_processors: bool = False) -> Tuple[List[str], 
         options["calibration"] = ours.draft_calibration
     args = _probe(rest)
     config = checkpoint_config(args.draft_model) if args.draft_model else None
+    if config is not None and looks_like_drafter(config):
+        find_drafter_kind(config, args.draft_model)  # says which kinds exist
     if config is None or not any(kind.detect(config) for kind in drafter_kinds()):
         if options:
             raise ValueError(
@@ -139,12 +154,8 @@ def prepare(argv: List[str], with_processors: bool = False) -> Tuple[List[str], 
     drafter = load_drafter(args.draft_model, lazy=True, **options)
     if args.num_draft_tokens is None:
         rest += ["--num-draft-tokens", str(drafter.block_size)]
-    elif not 1 <= args.num_draft_tokens <= drafter.max_draft_tokens:
-        raise ValueError(
-            f"--num-draft-tokens must be between 1 and {drafter.max_draft_tokens} for "
-            f"this drafter (its trained block size is {drafter.block_size}), got "
-            f"{args.num_draft_tokens}."
-        )
+    else:
+        check_num_draft_tokens(args.num_draft_tokens, drafter, "--num-draft-tokens")
     drafter_options.clear()
     drafter_options.update(options)
     return rest, drafter
@@ -184,8 +195,6 @@ def wrap_main(
         except ValueError as e:
             _fail(prog, e)
         sys.argv = sys.argv[:1] + argv
-        if drafter is None:
-            return original()
         try:
             return original()
         except ValueError as e:
@@ -199,14 +208,18 @@ def verbose_stats(original: Callable) -> Callable:
     speculative statistics, and applies the logits processors the command
     line asked for."""
 
-    def generate(*args, verbose: bool = False, **kwargs):
+    def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs):
+        if "logit_bias" in generation_options:
+            check_token_ids(
+                generation_options["logit_bias"], vocab_size(model), "--logit-bias"
+            )
         if "logits_processors" in generation_options:
             kwargs.setdefault(
                 "logits_processors", generation_options["logits_processors"]
             )
         local.slot = StatsSlot()
         try:
-            text = original(*args, verbose=verbose, **kwargs)
+            text = original(model, tokenizer, prompt, verbose=verbose, **kwargs)
         finally:
             slot, local.slot = local.slot, None
         if verbose and slot.stats is not None:

@@ -18,6 +18,7 @@ from ..checkpoints import load_drafter, read_config
 from ..plugins import drafter_kinds, find_target_adapter
 from ..spec import engine
 from ..spec.stats import SpeculativeStats
+from ..validation import is_drafter
 
 # Per thread: the slot a speculative run reports its statistics to (set by
 # the CLI, or by the server for the request it serves) and, in the server, the
@@ -36,14 +37,6 @@ class StatsSlot:
 
     stats: Optional[SpeculativeStats] = None
     num_draft_tokens: Optional[int] = None
-
-
-def is_drafter(obj) -> bool:
-    """A hidden-state drafter (``mlx_dspark.drafters.base.Drafter``), as
-    opposed to an ordinary draft language model."""
-    return callable(getattr(obj, "propose", None)) and callable(
-        getattr(obj, "commit", None)
-    )
 
 
 def checkpoint_config(path_or_hub_id: str) -> dict:

@@ -24,11 +24,21 @@ from ..confidence.costs import RoundTimer
 from ..confidence.schedulers import scheduler_for
 from ..drafters.base import Proposal
 from ..plugins import find_target_adapter
+from ..validation import (
+    check,
+    check_callable,
+    check_drafter,
+    check_max_tokens,
+    check_num_draft_tokens,
+    check_processors,
+    check_prompt,
+)
 from .decoding import Decoding
 from .stats import Round, SpeculativeStats
 
 
 def adapt_target(model: nn.Module, drafter):
+    check_drafter(drafter)
     target = find_target_adapter(model).adapt(model)
     drafter.check_target(target)
     return target
@@ -83,20 +93,6 @@ def _check_options(kv_bits):
             "A quantized KV cache (kv_bits) cannot roll back rejected drafts; "
             "leave kv_bits unset for speculative decoding."
         )
-
-
-def _check_prompt(prompt: mx.array, vocab_size: int) -> mx.array:
-    if prompt.ndim != 1 or prompt.size == 0:
-        raise ValueError(
-            f"The prompt must be a non-empty 1-D array of token ids, got shape {prompt.shape}."
-        )
-    low, high = mx.min(prompt).item(), mx.max(prompt).item()
-    if low < 0 or high >= vocab_size:
-        raise ValueError(
-            f"The prompt has token ids outside the target's vocabulary "
-            f"[0, {vocab_size}): min {low}, max {high}."
-        )
-    return prompt.astype(mx.uint32)
 
 
 def _check_choice(scheduler, num_verify, num_drafts: int) -> None:
@@ -163,23 +159,19 @@ def speculative_generate_step(
     token, target and drafter alike, as after mlx-lm's ``generate_step``.
     """
     _check_options(kv_bits)
-    if max_tokens == 0:
+    check_drafter(drafter)
+    if check_max_tokens(max_tokens) == 0:
         return
-    if max_tokens < -1:
-        raise ValueError(
-            f"max_tokens must be positive or -1 (no limit), got {max_tokens}."
-        )
     block_size = drafter.block_size
     if num_draft_tokens is None:
         num_draft_tokens = block_size
-    if not 1 <= num_draft_tokens <= drafter.max_draft_tokens:
-        raise ValueError(
-            f"num_draft_tokens must be between 1 and {drafter.max_draft_tokens} "
-            f"for this drafter (its trained block size is {block_size}), got "
-            f"{num_draft_tokens}."
-        )
+    check_num_draft_tokens(num_draft_tokens, drafter)
+    check(prefill_step_size, "prefill_step_size", "integer", 1)
+    check_callable(sampler, "sampler")
+    check_callable(prompt_progress_callback, "prompt_progress_callback")
+    check_processors(logits_processors)
     target = adapt_target(model, drafter)
-    prompt = _check_prompt(prompt, target.vocab_size)
+    prompt = check_prompt(prompt, target.vocab_size)
     target_cache, draft_cache = _split_prompt_cache(
         prompt_cache, target, drafter, num_draft_tokens
     )
