@@ -40,6 +40,7 @@ from ..confidence.costs import CostProfile, RoundCosts, RoundTimer, profile_path
 from ..spec.decoding import Decoding
 from ..spec.engine import adapt_target
 from ..spec.stats import Round, SpeculativeStats
+from ..validation import check_num_draft_tokens
 from .cache import BatchRollbackKVCache
 from .policy import Acceptance, BatchPolicy
 
@@ -253,16 +254,9 @@ class SpeculativeBatchGenerator:
             if options["max_tokens"][i] <= 0:
                 raise ValueError(f"Sequence {uid}'s max_tokens must be > 0.")
             drafts = options["num_draft_tokens"][i]
-            drafts = self.num_draft_tokens if drafts is None else drafts
-            if (
-                not isinstance(drafts, int)
-                or isinstance(drafts, bool)
-                or not 1 <= drafts <= self.drafter.max_draft_tokens
-            ):
-                raise ValueError(
-                    f"num_draft_tokens must be between 1 and "
-                    f"{self.drafter.max_draft_tokens} for this drafter, got {drafts}."
-                )
+            drafts = check_num_draft_tokens(
+                self.num_draft_tokens if drafts is None else drafts, self.drafter
+            )
             sampler = options["samplers"][i] or self.sampler
             decoding = Decoding(sampler, tuple(options["logits_processors"][i] or ()))
             stats_i = options["stats"][i] or SpeculativeStats(
