@@ -63,11 +63,17 @@ def replayed_acceptance(tau: float, block_size: int, seed: int = 0):
     draw = random.Random(seed)
     compare = decoding.greedy_accept
 
-    def replayed(drafts, target_tokens):
+    def one(drafts: int) -> int:
         accepted = 0
-        while accepted < drafts.size and draw.random() < conditional:
+        while accepted < drafts and draw.random() < conditional:
             accepted += 1
-        return 0 * compare(drafts, target_tokens) + accepted
+        return accepted
+
+    def replayed(drafts, target_tokens):
+        # One row, or a batch of rows (the speculative batch generator).
+        rows = drafts.shape[0] if drafts.ndim == 2 else None
+        drawn = one(drafts.shape[-1]) if rows is None else [one(drafts.shape[-1]) for _ in range(rows)]
+        return 0 * compare(drafts, target_tokens) + mx.array(drawn)
 
     decoding.greedy_accept = replayed
     try:

@@ -244,7 +244,7 @@ def test_merge_extract_roundtrip_of_sliding_window_caches(window, rollback, leng
         c.update_and_fetch(kv, kv)
         singles.append(c)
     batch = BatchRollbackKVCache.merge(singles, window, rollback)
-    batch.compact()
+    batch.compact(lengths)
     for i, c in enumerate(singles):
         back = batch.extract(i)
         q = mx.random.normal((1, 1, 1, 4))
@@ -300,13 +300,17 @@ def test_policy_parks_when_verifying_more_rows_costs_too_much():
     """Flat verify costs favour every draft; costs that grow with the rows
     verified favour plain batched decoding (k = 0), re-probed now and then."""
     flat = RoundCosts(draft=0.002, verify=[0.010] * 5)
-    steep = RoundCosts(draft=0.004, verify=[0.010 * (n + 1) for n in range(5)])
+    steep = RoundCosts(draft=0.004, verify=[0.010 * (1 + 0.5 * n) for n in range(5)])
     rates = [[0.6] * 4] * 8
     assert best_drafts(rates, [4] * 8, flat) == 4
     assert best_drafts(rates, [4] * 8, steep) == 0
     policy = BatchPolicy(lambda batch, depth: steep)
     choices = [policy.choose(rates, [4] * 8, 100) for _ in range(32)]
     assert choices.count(0) == 30 and choices[15] == choices[31] == 4
+    # Where even perfect acceptance would not pay, it never probes.
+    hopeless = RoundCosts(draft=0.004, verify=[0.010 * (n + 1) ** 2 for n in range(5)])
+    policy = BatchPolicy(lambda batch, depth: hopeless)
+    assert not any(policy.choose(rates, [4] * 8, 100) for _ in range(32))
 
 
 def test_policy_choice_depends_on_batch_size():

@@ -166,36 +166,38 @@ class BatchRollbackKVCache(_BaseCache):
     def is_trimmable(self) -> bool:
         return True
 
-    def compact(self) -> None:
+    def span(self, offsets: Sequence[int]) -> int:
+        """The cursor ``compact`` leaves, for rows at ``offsets`` (a row's
+        live slots hold its newest positions, at most ``capacity`` of them
+        in a sliding-window layer): known on the host, without a sync."""
+        capacity = self._capacity()
+        return max((min(o, capacity) for o in offsets), default=0)
+
+    def _capacity(self) -> float:
+        if self.window is None:
+            return float("inf")
+        return self.window - 1 + self.max_rollback
+
+    def compact(self, offsets: Sequence[int]) -> None:
         """Pack each row's live slots to the right, dropping the slots no
-        later query can see; the layout changes, so call it between rounds,
-        on every cache of the batch."""
-        if self.keys is None:
+        later query can see; rows are at ``offsets``. The layout changes, so
+        call it between rounds, on every cache of the batch."""
+        width = self.span(offsets)
+        if self.keys is None or width >= self._idx:
             return
         live = self.positions[:, : self._idx]
         keep = live >= 0
         if self.window is not None:
-            horizon = self.offset[:, None] - (self.window - 1 + self.max_rollback)
-            keep = keep & (live >= horizon)
-        counts = keep.sum(axis=1)
-        width = counts.max().item()
-        if width == self._idx:
-            return
+            keep = keep & (live >= self.offset[:, None] - self._capacity())
         # A stable order with the kept slots last, in their order.
-        order = mx.argsort(keep.astype(mx.int32) * self._idx + mx.arange(self._idx), axis=1)
-        order = order[:, self._idx - width :]
+        rank = keep.astype(mx.int32) * self._idx + mx.arange(self._idx)
+        order = mx.argsort(rank, axis=1)[:, self._idx - width :]
         self.keys = mx.take_along_axis(self.keys, order[:, None, :, None], axis=2)
         self.values = mx.take_along_axis(self.values, order[:, None, :, None], axis=2)
         positions = mx.take_along_axis(live, order, axis=1)
         kept = mx.take_along_axis(keep, order, axis=1)
         self.positions = mx.where(kept, positions, -1)
         self._idx = width
-
-    def waste(self) -> int:
-        """Slots the cursor has passed that some row does not use."""
-        if self.keys is None:
-            return 0
-        return self._idx - (self.positions[:, : self._idx] >= 0).sum(axis=1).min().item()
 
     def filter(self, keep: List[int]) -> None:
         index = mx.array(keep, mx.int32)

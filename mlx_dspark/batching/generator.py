@@ -37,7 +37,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from ..confidence.calibration import survival
 from ..confidence.costs import CostProfile, RoundCosts, RoundTimer, profile_path
-from ..spec.decoding import Decoding
+from ..spec.decoding import Decoding, judge_greedy
 from ..spec.engine import adapt_target
 from ..spec.stats import Round, SpeculativeStats
 from ..validation import check_num_draft_tokens
@@ -123,10 +123,12 @@ class Rows:
             c.trim_rows(counts)
 
     def compact(self, waste: int) -> None:
-        caches = self.caches()
-        if caches and caches[0].waste() >= max(waste, caches[0].size() // 4):
-            for c in caches:
-                c.compact()
+        """Pack the caches that hold ``waste`` or more unused slots (and at
+        least a quarter of their slots), so packing costs O(1) per slot."""
+        offsets = [len(s.tokens) for s in self.sequences]
+        for c in self.caches():
+            if c.size() - c.span(offsets) >= max(waste, c.size() // 4):
+                c.compact(offsets)
 
 
 class SpeculativeBatchGenerator:
@@ -518,20 +520,7 @@ class SpeculativeBatchGenerator:
         else:
             inputs = anchors[:, None]
         out = self._forward(rows, inputs)
-        verdicts = []
-        for b, s in enumerate(sequences):
-            n = drafts_per_row[b]
-            drafts = proposal.tokens[b, :n] if k else mx.array([], mx.uint32)
-            draft_log_probs = (
-                proposal.log_probs[b] if k and proposal.log_probs is not None else None
-            )
-            verdicts.append(
-                s.decoding.judge(
-                    drafts, draft_log_probs, out.logits[b, : n + 1], contexts[b],
-                    s.num_draft_tokens + 1,
-                )
-            )
-        mx.eval(verdicts, proposal.tokens if k else [])
+        verdicts = self._judge(sequences, proposal, out.logits, drafts_per_row, contexts)
         drafted = proposal.tokens.tolist() if k else [[] for _ in sequences]
         confidence = (
             proposal.confidence.tolist()
@@ -540,9 +529,9 @@ class SpeculativeBatchGenerator:
         )
 
         responses, trims, finished = [], [], []
-        for b, (s, (log_probs, accepted, tokens)) in enumerate(zip(sequences, verdicts)):
-            n, accepted = drafts_per_row[b], accepted.item()
-            tokens = tokens.tolist()[: accepted + 1]
+        for b, (s, (accepted, tokens, log_probs)) in enumerate(zip(sequences, verdicts)):
+            n = drafts_per_row[b]
+            tokens = tokens[: accepted + 1]
             emitted, reason = [], None
             for t in tokens:
                 emitted.append(t)
@@ -575,6 +564,35 @@ class SpeculativeBatchGenerator:
             rows.keep([b for b in range(len(rows)) if b not in finished])
         rows.compact(self.compact_waste)
         return result
+
+    def _judge(self, sequences, proposal, logits, drafts_per_row, contexts):
+        """Each sequence's ``(accepted, tokens, log_probs)``: the plain-greedy
+        ones in one batched verdict, the others each under its own rule;
+        one evaluation for all of them."""
+        k = max(drafts_per_row)
+        drafts = proposal.tokens if k else mx.zeros((len(sequences), 0), mx.uint32)
+        greedy = [b for b, s in enumerate(sequences) if s.decoding.plain_greedy]
+        others = [b for b, s in enumerate(sequences) if not s.decoding.plain_greedy]
+        verdicts, lazy = [None] * len(sequences), {}
+        if greedy:
+            index = mx.array(greedy)
+            counts = mx.array([drafts_per_row[b] for b in greedy])
+            group = judge_greedy(drafts[index], logits[index], counts)
+        for b in others:
+            n = drafts_per_row[b]
+            draft_log_probs = proposal.log_probs[b] if k and proposal.log_probs is not None else None
+            lazy[b] = sequences[b].decoding.judge(
+                drafts[b, :n], draft_log_probs, logits[b, : n + 1], contexts[b],
+                sequences[b].num_draft_tokens + 1,
+            )
+        mx.eval(group[1:] if greedy else [], [v[1:] for v in lazy.values()], drafts)
+        if greedy:
+            log_probs, accepted, tokens = group
+            for i, (a, t) in enumerate(zip(accepted.tolist(), tokens.tolist())):
+                verdicts[greedy[i]] = (a, t, log_probs[i])
+        for b, (log_probs, accepted, tokens) in lazy.items():
+            verdicts[b] = (accepted.item(), tokens.tolist(), log_probs)
+        return verdicts
 
     def _record(self, s, proposed, accepted, verified, next_token, drafts, confidence):
         s.acceptance.update(proposed, accepted)

@@ -100,13 +100,17 @@ class BatchPolicy:
     def choose(self, rates, caps, depth: int) -> int:
         if not caps or max(caps) == 0:
             return 0
-        k = best_drafts(rates, caps, self.costs(len(caps), depth))
+        costs = self.costs(len(caps), depth)
+        k = best_drafts(rates, caps, costs)
         if k:
             self.parked = 0
             return k
+        # Parked. Probe now and then, with the drafts that would pay if
+        # every draft were accepted; none would: nothing to learn.
+        hopeful = best_drafts([[1.0] * max(caps)] * len(caps), caps, costs)
         self.parked += 1
-        if self.parked % REPROBE_EVERY == 0:
-            return max(caps)
+        if hopeful and self.parked % REPROBE_EVERY == 0:
+            return hopeful
         return 0
 
 

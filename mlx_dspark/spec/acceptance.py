@@ -6,10 +6,11 @@ import mlx.core as mx
 
 def greedy_accept(drafts: mx.array, target_tokens: mx.array) -> mx.array:
     """The number of leading drafts equal to the target's own token at their
-    position (``target_tokens[i]`` is the target's choice for draft ``i``:
-    its argmax, or its sample under target-sample matching)."""
-    matches = drafts == target_tokens[: drafts.size]
-    return mx.cumprod(matches.astype(mx.int32)).sum()
+    position (``target_tokens[..., i]`` is the target's choice for draft
+    ``i``: its argmax, or its sample under target-sample matching); a
+    leading batch axis gives one count per row."""
+    matches = drafts == target_tokens[..., : drafts.shape[-1]]
+    return mx.cumprod(matches.astype(mx.int32), axis=-1).sum(axis=-1)
 
 
 def residual(p: mx.array, q: mx.array) -> mx.array:

@@ -50,6 +50,12 @@ class Decoding:
         return acceptance_rule(self.sampler)
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy without processors: judged for many sequences at once
+        (``judge_greedy``)."""
+        return self.rule == "greedy" and not self.processors
+
+    @property
     def spec(self):
         return getattr(self.sampler, "sampling_spec", None)
 
@@ -132,3 +138,14 @@ class Decoding:
             )
             return log_probs, accepted, tokens
         return log_probs, greedy_accept(drafts, tokens), tokens.astype(mx.uint32)
+
+
+def judge_greedy(drafts: mx.array, logits: mx.array, counts: mx.array):
+    """``Decoding.judge`` for ``S`` plain-greedy sequences at once: ``drafts``
+    ``[S, k]`` of which row ``i`` verifies ``counts[i]``, the target's
+    ``[S, k + 1, V]`` logits. Returns ``[S, k + 1, V]`` log-probabilities,
+    ``[S]`` accepted counts and ``[S, k + 1]`` tokens."""
+    log_probs = log_softmax(logits)
+    tokens = mx.argmax(log_probs, axis=-1).astype(mx.uint32)
+    accepted = mx.minimum(greedy_accept(drafts, tokens), counts)
+    return log_probs, accepted, tokens

@@ -1,0 +1,131 @@
+"""mlx-lm's ``BatchGenerator`` (plain continuous batching) against the
+speculative batch generator, in one process, at batch sizes 1..16.
+
+Each batch size runs every generator in turn (``--repeats`` times, order
+alternating): N sequences, each with its own prompt, generate
+``--max-tokens`` tokens; the decode throughput is generation tokens over
+decode time (prompt processing excluded), as mlx-lm's ``BatchStats``
+reports it. Per batch size and generator: aggregate tokens/s, the ratio to
+plain batching, and for the speculative ones tau and the mean drafts the
+policy verified per round.
+
+Default: the bundled tiny Gemma-4 pair (real acceptance). ``--shapes 12b``
+(or ``--scale N``): random weights at Gemma-4-12B shapes with **replayed
+acceptance** at ``--tau`` (see ``speculative.replayed_acceptance``); with
+random weights the policy's acceptance estimate follows the replayed rounds.
+"""
+
+import argparse
+import contextlib
+import json
+import statistics
+from pathlib import Path
+
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+
+import mlx_dspark
+from mlx_dspark.batching.generator import SpeculativeBatchGenerator
+from mlx_dspark.batching.policy import BatchPolicy, FixedPolicy
+from mlx_dspark.spec.stats import SpeculativeStats
+
+import shapes
+from speculative import TINY, replayed_acceptance
+from timing import backend
+
+
+def prompts(n, length, vocab, wave):
+    return [
+        [(wave * 7919 + i * 104729 + j * 131) % (vocab - 10) + 5 for j in range(length)]
+        for i in range(n)
+    ]
+
+
+def run(make, prompts_, max_tokens, stats=None):
+    """Decode tokens/s of one generator over ``prompts_``."""
+    generator = make()
+    kwargs = {"stats": stats} if stats is not None else {}
+    generator.insert(prompts_, max_tokens=[max_tokens] * len(prompts_), **kwargs)
+    with generator.stats() as measured:
+        while generator.next_generated():
+            pass
+    return measured.generation_tokens / measured.decode_time
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", choices=["12b"])
+    parser.add_argument("--scale", type=int)
+    parser.add_argument("--tau", type=float, default=3.3)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    replay = args.shapes or args.scale
+    if replay:
+        scale = args.scale or 1
+        model = shapes.make_target(scale)
+        drafter = shapes.make_drafter(scale)
+        vocab = shapes.target_config(scale)["vocab_size"]
+    else:
+        model, _ = load(str(TINY / "target_tiny_gemma4"))
+        drafter = mlx_dspark.load_drafter(TINY / "dspark_tiny_gemma4_block4")
+        vocab = model.args.vocab_size
+
+    generators = {
+        "plain": lambda: BatchGenerator(model, completion_batch_size=64),
+        "spec-cost": lambda: SpeculativeBatchGenerator(
+            model, drafter, completion_batch_size=64, policy=BatchPolicy()
+        ),
+        "spec-fixed": lambda: SpeculativeBatchGenerator(
+            model, drafter, completion_batch_size=64, policy=FixedPolicy()
+        ),
+    }
+    results = []
+    for n in args.batch:
+        speeds = {name: [] for name in generators}
+        stats = {name: [] for name in generators if name != "plain"}
+        order = list(generators)
+        for r in range(args.repeats + 1):
+            batch = prompts(n, args.context, vocab, r)
+            for name in order if r % 2 else order[::-1]:
+                if name == "plain":
+                    speed = run(generators[name], batch, args.max_tokens)
+                else:
+                    per_row = [SpeculativeStats(drafter.name, drafter.block_size) for _ in batch]
+                    with replayed_acceptance(args.tau, drafter.block_size, seed=r) if replay else contextlib.nullcontext():
+                        speed = run(generators[name], batch, args.max_tokens, per_row)
+                    if r:
+                        stats[name] += per_row
+                if r:  # the first pass warms up
+                    speeds[name].append(speed)
+        row = {"batch": n, "backend": backend()}
+        plain = statistics.median(speeds["plain"])
+        for name, values in speeds.items():
+            row[name] = statistics.median(values)
+            row[f"{name}_ratio"] = row[name] / plain
+        for name, per_row in stats.items():
+            rounds = [r for s in per_row for r in s.history]
+            row[f"{name}_tau"] = sum(r.acceptance_length for r in rounds) / max(1, len(rounds))
+            row[f"{name}_drafts"] = sum(r.proposed for r in rounds) / max(1, len(rounds))
+        results.append(row)
+        print(
+            f"B={n:<3} plain {plain:8.1f} tok/s | "
+            + " | ".join(
+                f"{name} {row[name]:8.1f} ({row[name + '_ratio']:.2f}x, tau "
+                f"{row[name + '_tau']:.2f}, {row[name + '_drafts']:.1f} drafts)"
+                for name in stats
+            ),
+            flush=True,
+        )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "replayed": bool(replay), "results": results}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""``mlx_lm.server`` under concurrent load: stock batching without a drafter
+against the server with a drafter (batched through mlx-dspark, and one
+request at a time), real server processes over HTTP.
+
+For each concurrency N, the modes take turns (one wave each, ``--waves``
+times): a wave sends N streaming chat requests at once, each with its own
+prompt, and waits for all of them. Reported per mode and N: aggregate
+tokens/s (completion tokens of the wave over its wall time), the median
+per-request tokens/s (completion tokens over the request's own time) and
+time to first token (p50, p95), plus the aggregate ratio to stock.
+
+Default: the bundled tiny Gemma-4 pair on this machine, real acceptance.
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+TINY = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "deepspec-tiny"
+MODES = {
+    "stock": [],
+    "batched": ["--draft-model", "{draft}", "--draft-batch-policy", "cost"],
+    "one-at-a-time": ["--draft-model", "{draft}", "--draft-batch-policy", "off"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model, flags, log_dir):
+        self.port = free_port()
+        self.log = Path(log_dir) / f"server-{self.port}.log"
+        env = dict(os.environ)
+        env.pop("MLX_DSPARK_DISABLE", None)
+        self.process = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "mlx_lm.server"),
+                "--model", str(model), "--port", str(self.port), *flags,
+            ],
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(self.log.read_text())
+            try:
+                self.chat("w5", 1)
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(self.log.read_text())
+
+    def chat(self, content, max_tokens):
+        """One streaming chat request: ``(ttft, seconds, completion_tokens)``."""
+        body = {
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        start = time.perf_counter()
+        first, tokens = None, 0
+        with urllib.request.urlopen(request, timeout=600) as response:
+            for line in response:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if first is None and chunk.get("choices"):
+                    first = time.perf_counter() - start
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        return first or 0.0, time.perf_counter() - start, tokens
+
+    def chat_retrying(self, content, max_tokens):
+        # The stock HTTP server listens with a backlog of 5: a connection it
+        # resets before reading the request was never served, so resend it.
+        for attempt in range(10):
+            try:
+                return self.chat(content, max_tokens)
+            except ConnectionResetError:
+                time.sleep(0.05 * (attempt + 1))
+        raise ConnectionResetError("the server kept resetting the connection")
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+def prompt(wave: int, i: int, words: int) -> str:
+    return " ".join(f"w{(wave * 131 + i * 37 + j * 11) % 500 + 5}" for j in range(words))
+
+
+def wave(server, n, wave_index, max_tokens, words):
+    tic = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        results = list(
+            pool.map(
+                lambda i: server.chat_retrying(prompt(wave_index, i, words), max_tokens),
+                range(n),
+            )
+        )
+    wall = time.perf_counter() - tic
+    return {
+        "wall": wall,
+        "tokens": sum(r[2] for r in results),
+        "ttft": [r[0] for r in results],
+        "per_request": [r[2] / r[1] for r in results if r[1] > 0],
+    }
+
+
+def percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def summarise(waves):
+    tokens = sum(w["tokens"] for w in waves)
+    wall = sum(w["wall"] for w in waves)
+    ttft = [t for w in waves for t in w["ttft"]]
+    per_request = [t for w in waves for t in w["per_request"]]
+    return {
+        "aggregate_tps": tokens / wall,
+        "per_request_tps": statistics.median(per_request),
+        "ttft_p50": percentile(ttft, 0.5),
+        "ttft_p95": percentile(ttft, 0.95),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(TINY / "target_tiny_gemma4"))
+    parser.add_argument("--draft-model", default=str(TINY / "dspark_tiny_gemma4_block4"))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-words", type=int, default=24)
+    parser.add_argument("--waves", type=int, default=3)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as logs:
+        servers = {
+            mode: Server(
+                args.model,
+                [f.format(draft=args.draft_model) for f in MODES[mode]],
+                logs,
+            )
+            for mode in args.modes
+        }
+        try:
+            results = {}
+            for n in args.concurrency:
+                for mode, server in servers.items():  # warm the caches and shapes
+                    wave(server, n, -1, args.max_tokens, args.prompt_words)
+                waves = {mode: [] for mode in servers}
+                for w in range(args.waves):
+                    order = list(servers) if w % 2 == 0 else list(servers)[::-1]
+                    for mode in order:
+                        waves[mode].append(
+                            wave(servers[mode], n, w, args.max_tokens, args.prompt_words)
+                        )
+                results[n] = {mode: summarise(ws) for mode, ws in waves.items()}
+                report(n, results[n])
+        finally:
+            for server in servers.values():
+                server.stop()
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"args": vars(args), "results": {str(k): v for k, v in results.items()}},
+                indent=1,
+            )
+        )
+
+
+def report(n, by_mode):
+    stock = by_mode.get("stock", {}).get("aggregate_tps")
+    for mode, r in by_mode.items():
+        ratio = f"{r['aggregate_tps'] / stock:5.2f}x" if stock else "    -"
+        print(
+            f"N={n:<3} {mode:<14} aggregate {r['aggregate_tps']:8.1f} tok/s ({ratio})  "
+            f"per request {r['per_request_tps']:7.1f} tok/s  "
+            f"TTFT p50 {1000 * r['ttft_p50']:7.1f} ms  p95 {1000 * r['ttft_p95']:7.1f} ms",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
