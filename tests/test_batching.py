@@ -206,8 +206,7 @@ def test_same_greedy_outputs_as_mlx_lms_batch_generator():
 def test_rows_roll_back_independently():
     """Rolling one row back changes no other row's attention output."""
     mx.random.seed(0)
-    cache = BatchRollbackKVCache(window=None, max_rollback=4)
-    cache.offset = mx.array([0, 0, 0], mx.int32)
+    cache = BatchRollbackKVCache.merge([KVCache() for _ in range(3)], None, 4)
     keys = mx.random.normal((3, 1, 5, 8))
     cache.update_and_fetch(keys, keys)
     query = mx.random.normal((3, 1, 1, 8))
@@ -244,7 +243,7 @@ def test_merge_extract_roundtrip_of_sliding_window_caches(window, rollback, leng
         c.update_and_fetch(kv, kv)
         singles.append(c)
     batch = BatchRollbackKVCache.merge(singles, window, rollback)
-    batch.compact(lengths)
+    batch.compact()
     for i, c in enumerate(singles):
         back = batch.extract(i)
         q = mx.random.normal((1, 1, 1, 4))

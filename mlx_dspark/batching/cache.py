@@ -39,8 +39,12 @@ class BatchRollbackKVCache(_BaseCache):
         self.keys = None
         self.values = None
         self.positions = None  # [B, slots] int32, -1 where free
-        self.offset = None  # [B] int32: each row's next position
+        self.offset = None  # [B] int32: each row's next position (for RoPE)
         self._idx = 0  # slots in use (the write cursor)
+        # The same on the host, so that no decision waits for the device:
+        # row b holds exactly the positions [firsts[b], lengths[b]).
+        self.lengths: List[int] = []
+        self.firsts: List[int] = []
 
     # -- building -------------------------------------------------------
 
@@ -49,8 +53,10 @@ class BatchRollbackKVCache(_BaseCache):
         """A batch of single-sequence caches (``KVCache`` or
         ``SlidingWindowKVCache``, possibly empty), each row right-aligned."""
         batch = cls(window, max_rollback)
-        batch.offset = mx.array([c.offset for c in caches], mx.int32)
         rows = [_live_entries(c) for c in caches]
+        batch.lengths = [c.offset for c in caches]
+        batch.firsts = [c.offset - r[0].shape[2] if r else c.offset for c, r in zip(caches, rows)]
+        batch.offset = mx.array(batch.lengths, mx.int32)
         like = next((r for r in rows if r is not None), None)
         if like is None:
             return batch
@@ -70,27 +76,28 @@ class BatchRollbackKVCache(_BaseCache):
 
     def extract(self, idx: int):
         """Row ``idx`` as the single-sequence cache the engine uses."""
-        end = self.offset[idx].item()
+        end, count = self.lengths[idx], self.lengths[idx] - self.firsts[idx]
+        if self.window is None and count != end:
+            raise RuntimeError("A full-attention row lost part of its history.")
+        if self.window is None:
+            cache = KVCache()
+        else:
+            cache = SlidingWindowKVCache(self.window, self.max_rollback)
+        if count == 0:
+            return cache
         live = self.positions[idx, : self._idx]
-        count = (live >= 0).sum().item()
-        if self.window is not None:
-            count = min(count, self.window - 1 + self.max_rollback)
-        order = mx.argsort(mx.where(live >= 0, live, -1))[live.size - count :]
+        order = mx.argsort(mx.where(live >= 0, live, -1))[self._idx - count :]
         keys = self.keys[idx : idx + 1, :, order]
         values = self.values[idx : idx + 1, :, order]
         if self.window is None:
-            if count != end:
-                raise RuntimeError("A full-attention row lost part of its history.")
-            cache = KVCache()
-            if count:
-                cache.update_and_fetch(keys, values)
+            cache.update_and_fetch(keys, values)
             return cache
-        cache = SlidingWindowKVCache(self.window, self.max_rollback)
         cache.offset = cache._start = cache._end = end - count
         cache._grow(cache._slots_for_end(end), keys, values)
         cache.keys = cache._ring_write(cache.keys, keys)
         cache.values = cache._ring_write(cache.values, values)
         cache.offset = cache._end = end
+        cache._start = max(end - count, end - cache.capacity)
         return cache
 
     # -- the cache protocol --------------------------------------------
@@ -123,6 +130,7 @@ class BatchRollbackKVCache(_BaseCache):
         self.values[:, :, i : i + n] = values
         self.positions[:, i : i + n] = self._new_positions(n)
         self.offset = self.offset + n
+        self.lengths = [length + n for length in self.lengths]
         self._idx += n
         return self.keys[:, :, : self._idx], self.values[:, :, : self._idx]
 
@@ -156,39 +164,44 @@ class BatchRollbackKVCache(_BaseCache):
         self.positions = mx.where(
             self.positions >= self.offset[:, None], -1, self.positions
         )
+        self.lengths = [length - c for length, c in zip(self.lengths, counts)]
         # The newest slots are free in every row: the cursor can reuse them.
         self._idx -= min(counts)
 
     def trim(self, n: int) -> int:
-        self.trim_rows([n] * self.offset.size)
+        self.trim_rows([n] * len(self.lengths))
         return n
 
     def is_trimmable(self) -> bool:
         return True
 
-    def span(self, offsets: Sequence[int]) -> int:
-        """The cursor ``compact`` leaves, for rows at ``offsets`` (a row's
-        live slots hold its newest positions, at most ``capacity`` of them
-        in a sliding-window layer): known on the host, without a sync."""
-        capacity = self._capacity()
-        return max((min(o, capacity) for o in offsets), default=0)
-
     def _capacity(self) -> float:
+        """The most positions a row keeps once compacted."""
         if self.window is None:
             return float("inf")
         return self.window - 1 + self.max_rollback
 
-    def compact(self, offsets: Sequence[int]) -> None:
+    def reclaimable(self) -> int:
+        """Slots ``compact`` would free."""
+        return self._idx - self._span()
+
+    def _span(self) -> int:
+        capacity = self._capacity()
+        return max(
+            (min(n - f, capacity) for n, f in zip(self.lengths, self.firsts)), default=0
+        )
+
+    def compact(self) -> None:
         """Pack each row's live slots to the right, dropping the slots no
-        later query can see; rows are at ``offsets``. The layout changes, so
-        call it between rounds, on every cache of the batch."""
-        width = self.span(offsets)
-        if self.keys is None or width >= self._idx:
+        later query can see. The layout changes, so call it between rounds,
+        on every cache of the batch."""
+        if self.keys is None or self.reclaimable() == 0:
             return
+        capacity = self._capacity()
+        self.firsts = [max(f, n - capacity) for n, f in zip(self.lengths, self.firsts)]
+        width = self._span()
         live = self.positions[:, : self._idx]
-        keep = live >= 0
-        if self.window is not None:
-            keep = keep & (live >= self.offset[:, None] - self._capacity())
+        keep = live >= mx.array(self.firsts, mx.int32)[:, None]
         # A stable order with the kept slots last, in their order.
         rank = keep.astype(mx.int32) * self._idx + mx.arange(self._idx)
         order = mx.argsort(rank, axis=1)[:, self._idx - width :]
@@ -202,6 +215,8 @@ class BatchRollbackKVCache(_BaseCache):
     def filter(self, keep: List[int]) -> None:
         index = mx.array(keep, mx.int32)
         self.offset = self.offset[index]
+        self.lengths = [self.lengths[i] for i in keep]
+        self.firsts = [self.firsts[i] for i in keep]
         if self.keys is not None:
             self.keys = self.keys[index]
             self.values = self.values[index]
@@ -212,6 +227,7 @@ class BatchRollbackKVCache(_BaseCache):
         taken = BatchRollbackKVCache(self.window, self.max_rollback)
         taken.keys, taken.values, taken.positions = self.keys, self.values, self.positions
         taken.offset, taken._idx = self.offset, self._idx
+        taken.lengths, taken.firsts = self.lengths, self.firsts
         taken.filter(rows)
         return taken
 
@@ -226,6 +242,8 @@ class BatchRollbackKVCache(_BaseCache):
             self.positions = mx.concatenate([p[2] for p in parts])
             self._idx = width
         self.offset = mx.concatenate([self.offset, other.offset])
+        self.lengths = self.lengths + other.lengths
+        self.firsts = self.firsts + other.firsts
 
     def size(self) -> int:
         return self._idx
@@ -252,7 +270,7 @@ def _left_pad(x: mx.array, pad: int) -> mx.array:
 
 def _right_align(cache: BatchRollbackKVCache, width: int, like: BatchRollbackKVCache):
     if cache.keys is None:
-        B = cache.offset.size
+        B = len(cache.lengths)
         k = mx.zeros((B, like.keys.shape[1], 0, like.keys.shape[3]), like.keys.dtype)
         v = mx.zeros((B, like.values.shape[1], 0, like.values.shape[3]), like.values.dtype)
         p = mx.zeros((B, 0), mx.int32)
@@ -278,18 +296,19 @@ def _no_entries(like):
 
 def _live_entries(cache):
     """``(keys, values, positions)`` of a single-sequence cache's entries
-    that a query at its offset may still need; ``None`` when it has none."""
+    that a query at its offset may still need, oldest first; ``None`` when
+    it has none."""
     offset = cache.offset
     if not isinstance(cache, (SlidingWindowKVCache, KVCache)):
         raise TypeError(f"{type(cache).__name__} cannot join a speculative batch.")
     if cache.keys is None or offset == 0:
         return None
     if isinstance(cache, SlidingWindowKVCache):
+        # The ring holds positions [_start, offset) (and stale ones beyond).
         positions = cache.slot_positions()
         live = (positions >= cache._start) & (positions < offset)
         order = mx.argsort(mx.where(live, positions, offset + positions.size))
-        count = live.sum().item()
-        order = order[:count]
+        order = order[: offset - cache._start]
         return (
             cache.keys[:, :, order],
             cache.values[:, :, order],

@@ -125,10 +125,9 @@ class Rows:
     def compact(self, waste: int) -> None:
         """Pack the caches that hold ``waste`` or more unused slots (and at
         least a quarter of their slots), so packing costs O(1) per slot."""
-        offsets = [len(s.tokens) for s in self.sequences]
         for c in self.caches():
-            if c.size() - c.span(offsets) >= max(waste, c.size() // 4):
-                c.compact(offsets)
+            if c.reclaimable() >= max(waste, c.size() // 4):
+                c.compact()
 
 
 class SpeculativeBatchGenerator:
@@ -484,24 +483,34 @@ class SpeculativeBatchGenerator:
         """A round's costs for the generating batch (of ``batch``
         sequences) at ``depth``: measured on its live caches once per batch
         size and depth bucket, then read from the profile on disk."""
+        if batch not in self._profiles:
+            timer = RoundTimer(
+                self.model,
+                self.drafter,
+                self.drafter.max_draft_tokens,
+                self._time_verify,
+                self._time_draft,
+                batch,
+            )
+            self._profiles[batch] = (timer, CostProfile(profile_path(timer.key)))
+        timer, profile = self._profiles[batch]
+        return profile.costs(depth, timer)
+
+    def _anchors(self) -> mx.array:
+        return mx.array([s.anchor for s in self._generation.sequences], mx.uint32)
+
+    def _time_verify(self, n: int):
         rows = self._generation
-        anchors = mx.array([s.anchor for s in rows.sequences], mx.uint32)
-        drafts = self.drafter.max_draft_tokens
+        out = self._forward(rows, mx.repeat(self._anchors()[:, None], n, axis=1))
+        for c in rows.target_cache:
+            c.trim(n)
+        return out.logits, out.hidden
 
-        def verify(n):
-            out = self._forward(rows, mx.repeat(anchors[:, None], n, axis=1))
-            for c in rows.target_cache:
-                c.trim(n)
-            return out.logits, out.hidden
-
-        def draft():
-            proposal = self.drafter.propose_batch(rows.draft_cache, anchors, drafts)
-            return proposal.tokens, proposal.confidence
-
-        timer = RoundTimer(self.model, self.drafter, drafts, verify, draft, batch)
-        if timer.key not in self._profiles:
-            self._profiles[timer.key] = CostProfile(profile_path(timer.key))
-        return self._profiles[timer.key].costs(depth, timer)
+    def _time_draft(self):
+        proposal = self.drafter.propose_batch(
+            self._generation.draft_cache, self._anchors(), self.drafter.max_draft_tokens
+        )
+        return proposal.tokens, proposal.confidence
 
     def _round(self):
         """One draft-and-verify round for every generating sequence."""
@@ -509,13 +518,15 @@ class SpeculativeBatchGenerator:
         sequences = rows.sequences
         drafts_per_row = self._choose_drafts(rows)
         k = max(drafts_per_row)
-        anchors = mx.array([s.anchor for s in sequences], mx.uint32)
+        anchors = self._anchors()
         contexts = [s.context() for s in sequences]
         proposal = None
         if k:
             draws = [s.decoding.draw_for(c) for s, c in zip(sequences, contexts)]
             draw = None if all(d is None for d in draws) else _batch_draw(draws)
             proposal = self.drafter.propose_batch(rows.draft_cache, anchors, k, draw)
+            # Let the device draft while the host builds the verify.
+            mx.async_eval(proposal.tokens)
             inputs = mx.concatenate([anchors[:, None], proposal.tokens], axis=1)
         else:
             inputs = anchors[:, None]
