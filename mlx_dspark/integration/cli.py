@@ -16,6 +16,7 @@ from ..confidence.schedulers import SCHEDULERS
 from ..spec.engine import adapt_target
 from ..plugins import drafter_kinds
 from .dispatch import StatsSlot, checkpoint_config, drafter_options, local, preloaded
+from .hooks import generation_options
 
 HELP = """\
 mlx-dspark (hidden-state speculative drafters, e.g. DeepSeek DSpark/DFlash):
@@ -41,10 +42,6 @@ PROCESSOR_HELP = """\
   --repetition-penalty P, --repetition-context-size N (default 20),
   --presence-penalty P, --frequency-penalty P, --logit-bias '{"id": bias, ...}'
 """
-
-# The logits processors mlx_lm.generate's flags ask for (mlx-lm's own CLI
-# has no such flags; the server takes them per request).
-generation_options = {}
 
 
 def _parser(with_processors: bool) -> argparse.ArgumentParser:
@@ -144,54 +141,46 @@ def _fail(prog: str, error: Exception):
     sys.exit(1)
 
 
-def wrap_main(
+def main(
     original: Callable,
     prog: str,
     default_model: Optional[str] = None,
     with_processors: bool = False,
 ):
-    """An mlx-lm ``main`` that understands hidden-state drafters."""
-
-    def main():
-        argv = sys.argv[1:]
-        if "-h" in argv or "--help" in argv:
-            print(HELP + (PROCESSOR_HELP if with_processors else ""))
-            return original()
-        try:
-            argv, drafter = prepare(argv, with_processors)
-            if drafter is not None:
-                args = _probe(argv)
-                preflight(args.model or default_model, args.draft_model, drafter)
-        except ValueError as e:
-            _fail(prog, e)
-        sys.argv = sys.argv[:1] + argv
-        if drafter is None:
-            return original()
-        try:
-            return original()
-        except ValueError as e:
-            _fail(prog, e)
-
-    return main
+    """An mlx-lm ``main`` that understands hidden-state drafters (for a
+    command line with one of mlx-dspark's flags or ``--draft-model``)."""
+    argv = sys.argv[1:]
+    if "-h" in argv or "--help" in argv:
+        print(HELP + (PROCESSOR_HELP if with_processors else ""))
+        return original()
+    try:
+        argv, drafter = prepare(argv, with_processors)
+        if drafter is not None:
+            args = _probe(argv)
+            preflight(args.model or default_model, args.draft_model, drafter)
+    except ValueError as e:
+        _fail(prog, e)
+    sys.argv = sys.argv[:1] + argv
+    if drafter is None:
+        return original()
+    try:
+        return original()
+    except ValueError as e:
+        _fail(prog, e)
 
 
-def verbose_stats(original: Callable) -> Callable:
-    """``mlx_lm.generate.generate`` that, when verbose, also prints the
-    speculative statistics, and applies the logits processors the command
-    line asked for."""
-
-    def generate(*args, verbose: bool = False, **kwargs):
-        if "logits_processors" in generation_options:
-            kwargs.setdefault(
-                "logits_processors", generation_options["logits_processors"]
-            )
-        local.slot = StatsSlot()
-        try:
-            text = original(*args, verbose=verbose, **kwargs)
-        finally:
-            slot, local.slot = local.slot, None
-        if verbose and slot.stats is not None:
-            print(f"Speculative: {slot.stats.summary()}")
-        return text
-
-    return generate
+def generate(original: Callable, *args, verbose: bool = False, **kwargs):
+    """``mlx_lm.generate.generate`` that applies the logits processors the
+    command line asked for and, when verbose, also prints the speculative
+    statistics."""
+    if "logits_processors" in generation_options:
+        processors = generation_options["logits_processors"]
+        kwargs.setdefault("logits_processors", processors)
+    local.slot = StatsSlot()
+    try:
+        text = original(*args, verbose=verbose, **kwargs)
+    finally:
+        slot, local.slot = local.slot, None
+    if verbose and slot.stats is not None:
+        print(f"Speculative: {slot.stats.summary()}")
+    return text

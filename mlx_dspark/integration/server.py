@@ -1,20 +1,16 @@
-"""``mlx_lm.server`` with speculative drafting: rollback-correct prompt caches
-that the server's LRU reuses within their reach, and the speculative
-statistics of each request in its response's ``usage`` and in the log."""
+"""``mlx_lm.server`` serving a request with a draft model: rollback-correct
+prompt caches that the server's LRU reuses within their reach, and the
+speculative statistics of the request in its response's ``usage`` and in the
+log. Requests without a draft model never get here (see ``hooks``)."""
 
 import copy
 import logging
-import threading
-
-from mlx_lm.models.cache import LRUPromptCache
 
 from .dispatch import StatsSlot, is_drafter, local, rollback_caches
 
 # Rollback depth of the caches the server makes, so that a cached context
 # serves later requests with up to this many drafts minus one.
 SERVER_ROLLBACK = 32
-
-_handler = threading.local()
 
 
 def reach(cache) -> int:
@@ -30,52 +26,43 @@ def reach(cache) -> int:
     return min(limits, default=0)
 
 
-class RollbackAwarePromptCache(LRUPromptCache):
-    """mlx-lm's LRU of prompt caches, for caches that can roll back only so
-    far (a sliding-window cache keeps only ``max_rollback`` tokens beyond its
-    window): a longer cached context is trimmed to the shared prefix only if
-    every layer can do it, else a shorter one (or none) is used.
+def fetch_nearest_cache(lru, model, tokens):
+    """``lru.fetch_nearest_cache`` (mlx-lm's ``LRUPromptCache``) for caches
+    that can roll back only so far (a sliding-window cache keeps only
+    ``max_rollback`` tokens beyond its window): a longer cached context is
+    trimmed to the shared prefix only if every layer can do it, else a
+    shorter one (or none) is used.
 
-    A hit always leaves at least one prompt token to process, as mlx-lm
-    does for longer contexts.
+    A hit always leaves at least one prompt token to process, as mlx-lm does
+    for longer contexts: a drafter needs the target's hidden states of it.
     """
-
-    def fetch_nearest_cache(self, model, tokens):
-        result = self._trie.search(model, tokens)
-        short_length = len(result.shorter) if result.shorter is not None else 0
-        candidates = []
-        if result.exact is not None:
-            candidates.append((result.exact, len(tokens) - 1))
-        if result.longer is not None and result.common_prefix > short_length:
-            candidates.append(
-                (result.longer, min(len(tokens) - 1, result.common_prefix))
-            )
-        for key, prefix in candidates:
-            entry = self._trie.get(result.model, key)
-            drop = len(key) - prefix
-            if reach(entry.prompt_cache) >= drop:
-                cache = copy.deepcopy(entry.prompt_cache)
-                for c in cache:
-                    c.trim(drop)
-                return cache, tokens[prefix:]
-        if short_length > 0:
-            entry = self._trie.get(result.model, result.shorter)
-            return copy.deepcopy(entry.prompt_cache), tokens[short_length:]
-        return None, tokens
+    result = lru._trie.search(model, tokens)
+    short_length = len(result.shorter) if result.shorter is not None else 0
+    candidates = []
+    if result.exact is not None:
+        candidates.append((result.exact, len(tokens) - 1))
+    if result.longer is not None and result.common_prefix > short_length:
+        candidates.append((result.longer, min(len(tokens) - 1, result.common_prefix)))
+    for key, prefix in candidates:
+        entry = lru._trie.get(result.model, key)
+        drop = len(key) - prefix
+        if reach(entry.prompt_cache) >= drop:
+            cache = copy.deepcopy(entry.prompt_cache)
+            for c in cache:
+                c.trim(drop)
+            return cache, tokens[prefix:]
+    if short_length > 0:
+        entry = lru._trie.get(result.model, result.shorter)
+        return copy.deepcopy(entry.prompt_cache), tokens[short_length:]
+    return None, tokens
 
 
-def make_prompt_cache(original):
-    """Rollback-correct target caches while the server serves a request with
-    a draft model; mlx-lm's own otherwise (they batch)."""
-
-    def make_prompt_cache(model, max_kv_size=None):
-        if getattr(local, "max_rollback", None) and not is_drafter(model):
-            caches = rollback_caches(model, local.max_rollback)
-            if caches is not None:
-                return caches
-        return original(model, max_kv_size)
-
-    return make_prompt_cache
+def rollback_prompt_cache(model):
+    """The target's rollback-correct caches, or ``None`` for the drafter or
+    a target without an adapter (``hooks.make_prompt_cache``)."""
+    if is_drafter(model):
+        return None
+    return rollback_caches(model, local.max_rollback)
 
 
 class _ReportingQueue:
@@ -96,52 +83,27 @@ class _ReportingQueue:
         return getattr(self._queue, name)
 
 
-def serve_single(original, context_type):
-    """``ResponseGenerator._serve_single`` that records the request's
-    speculative statistics and logs them."""
-
-    def _serve_single(self, request, stream):
-        if self.model_provider.draft_model is None:
-            return original(self, request, stream)
-        queue, completion, args = request
-        slot = StatsSlot()
-        local.slot = slot
-        local.max_rollback = max(SERVER_ROLLBACK, (args.num_draft_tokens or 0) + 1)
-        try:
-            original(
-                self,
-                (_ReportingQueue(queue, slot, context_type), completion, args),
-                stream,
-            )
-        finally:
-            local.slot = None
-            local.max_rollback = None
-        if slot.stats is not None and slot.stats.rounds:
-            logging.info("Speculative decoding: %s", slot.stats.summary())
-
-    return _serve_single
-
-
-def remember_context(original):
-    """``ResponseGenerator.generate``, remembering the request's context in
-    the handler thread that called it."""
-
-    def generate(self, *args, **kwargs):
-        ctx, responses = original(self, *args, **kwargs)
-        _handler.ctx = ctx
-        return ctx, responses
-
-    return generate
-
-
-def with_speculative_usage(original):
-    """``APIHandler`` response builders that add ``usage.speculative``."""
-
-    def build(self, *args, **kwargs):
-        response = original(self, *args, **kwargs)
-        slot = getattr(getattr(_handler, "ctx", None), "speculative", None)
-        if "usage" in response and slot is not None and slot.stats is not None:
-            response["usage"]["speculative"] = slot.stats.as_dict()
-        return response
-
-    return build
+def serve_single(original, context_type, generator, request, stream):
+    """``ResponseGenerator._serve_single`` for a request with a draft model:
+    records the request's speculative statistics and logs them."""
+    queue, completion, args = request
+    slot = StatsSlot()
+    local.slot = slot
+    local.max_rollback = max(SERVER_ROLLBACK, (args.num_draft_tokens or 0) + 1)
+    # The server's own LRU serves this request's lookup (and only this one's).
+    lru = generator.prompt_cache
+    lru.fetch_nearest_cache = lambda model, tokens: fetch_nearest_cache(
+        lru, model, tokens
+    )
+    try:
+        original(
+            generator,
+            (_ReportingQueue(queue, slot, context_type), completion, args),
+            stream,
+        )
+    finally:
+        del lru.fetch_nearest_cache
+        local.slot = None
+        local.max_rollback = None
+    if slot.stats is not None and slot.stats.rounds:
+        logging.info("Speculative decoding: %s", slot.stats.summary())
