@@ -31,7 +31,7 @@ COMMANDS = {
     "import mlx_lm.generate": "import mlx_lm.generate",
     "import mlx_lm.server": "import mlx_lm.server",
 }
-OURS = ("mlx_dspark.pth", "mlx_dspark.start", "_editable_impl_mlx_dspark.pth")
+OURS = ("mlx_dspark.pth", "mlx_dspark.start", "_editable_impl_mlx_lm_dspark.pth")
 
 
 def environment_without_us(root: Path) -> str:

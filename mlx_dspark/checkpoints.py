@@ -10,6 +10,7 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError
 from mlx_lm.utils import load_model
 
+from .distribution import warn_about_other_providers
 from .plugins import find_drafter_kind
 
 DRAFTER_FILES = ["*.json", "*.safetensors"]
@@ -117,6 +118,7 @@ def load_drafter(
     ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``) and ``lazy``
     (check the checkpoint without reading the weights yet).
     """
+    warn_about_other_providers()
     path = resolve_checkpoint(path_or_hub_id, revision)
     config = read_config(path)
     kind = find_drafter_kind(config, path)
