@@ -11,6 +11,7 @@ test outside the list that fails) shows up.
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 HF_MODEL_PATH = "mlx-community/Qwen1.5-0.5B-Chat-4bit"
+HUB = pytest.StashKey[Path]()
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
     "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -86,8 +88,7 @@ def save_tokenizer(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def _offline_hub() -> None:
-    cache_dir = Path(tempfile.mkdtemp(prefix="mlx-lm-upstream-hub-"))
+def _offline_hub(cache_dir: Path) -> None:
     build_tiny_hub_cache(cache_dir)
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_HUB_CACHE"] = str(cache_dir)
@@ -106,7 +107,13 @@ def pytest_configure(config):
         )
         sys.modules["requests"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules["requests"])
-    _offline_hub()
+    config.stash[HUB] = Path(tempfile.mkdtemp(prefix="mlx-lm-upstream-hub-"))
+    _offline_hub(config.stash[HUB])
+
+
+def pytest_unconfigure(config):
+    if HUB in config.stash:
+        shutil.rmtree(config.stash[HUB], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):
