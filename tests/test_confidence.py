@@ -593,7 +593,7 @@ SCHEDULED = {
         DSPARK, confidence_threshold=0.4, calibration=False
     ),
     "cost": lambda: mlx_dspark.load_drafter(
-        DSPARK, calibration=SHIPPED / "dspark_tiny_gemma4_block4.json"
+        DSPARK, scheduler="cost", calibration=SHIPPED / "dspark_tiny_gemma4_block4.json"
     ),
 }
 
