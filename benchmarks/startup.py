@@ -10,7 +10,8 @@ Times fresh interpreters of this environment, interleaved, in three set-ups:
   mlx-dspark's files.
 
 Bytecode is written and warmed first, as after a normal install, whatever
-``PYTHONDONTWRITEBYTECODE`` says.
+``PYTHONDONTWRITEBYTECODE`` says. Each run reports wall-clock and CPU time
+(user + system, all threads); on a shared machine the CPU time is the steadier.
 
     python benchmarks/startup.py [--runs 21] [--json]
 """
@@ -18,6 +19,7 @@ Bytecode is written and warmed first, as after a normal install, whatever
 import argparse
 import json
 import os
+import resource
 import site
 import statistics
 import subprocess
@@ -61,10 +63,15 @@ def environment_without_us(root: Path) -> str:
     return str(python)
 
 
-def run_once(python: str, code: str, env: dict) -> float:
+def run_once(python: str, code: str, env: dict) -> tuple:
+    """Wall-clock and CPU milliseconds of one interpreter."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run([python, "-c", code], env=env, check=True)
-    return (time.perf_counter() - start) * 1000
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return wall * 1000, cpu * 1000
 
 
 def main():
@@ -99,21 +106,28 @@ def main():
                     times[command, name].append(run_once(python, code, environ))
 
     results = {
-        command: {name: statistics.median(times[command, name]) for name in setups}
-        for command in COMMANDS
+        clock: {
+            command: {
+                name: statistics.median(t[i] for t in times[command, name])
+                for name in setups
+            }
+            for command in COMMANDS
+        }
+        for i, clock in enumerate(("wall", "cpu"))
     }
     if args.json:
         print(json.dumps({"runs": args.runs, "median_ms": results}, indent=1))
         return
-    print(f"median of {args.runs} interleaved runs, ms")
     header = ("without", "active", "disabled")
-    print(f"{'':24}" + "".join(f" {h:>9}" for h in header) + "  active/without")
-    for command, row in results.items():
-        ratio = row["active"] / row["without"]
-        print(
-            f"{command:24} {row['without']:9.1f} {row['active']:9.1f} "
-            f"{row['disabled']:9.1f} {ratio:15.3f}"
-        )
+    for clock, rows in results.items():
+        print(f"{clock} ms, median of {args.runs} interleaved runs")
+        print(f"{'':24}" + "".join(f" {h:>9}" for h in header) + "  active/without")
+        for command, row in rows.items():
+            ratio = row["active"] / row["without"]
+            print(
+                f"{command:24} {row['without']:9.1f} {row['active']:9.1f} "
+                f"{row['disabled']:9.1f} {ratio:15.3f}"
+            )
 
 
 if __name__ == "__main__":
