@@ -5,8 +5,6 @@ the names below is used, because the auto-activation hook (see
 ``mlx_dspark.activation``) imports it at every interpreter start.
 """
 
-import importlib
-
 TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing at startup
 
 __version__ = "0.1.0"
@@ -38,7 +36,9 @@ __all__ = [
 
 def __getattr__(name):
     if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+        from importlib import import_module
+
+        return getattr(import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'mlx_dspark' has no attribute {name!r}")
 
 

@@ -8,7 +8,9 @@ MLX or mlx-lm is imported until a program imports ``mlx_lm.generate`` or
 ``mlx_lm.server`` itself. Then, right after that module has executed, the
 patches in ``mlx_dspark.integration`` are applied to it.
 
-Set ``MLX_DSPARK_DISABLE=1`` to switch this off.
+Set ``MLX_DSPARK_DISABLE=1`` to switch this off. The ``.pth`` line reads it
+itself (the same rule as ``disabled()``), so that a disabled interpreter
+imports nothing of mlx-dspark.
 """
 
 import os

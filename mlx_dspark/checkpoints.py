@@ -12,6 +12,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from mlx_lm.utils import load_model
 from safetensors import SafetensorError, safe_open
 
+from .distribution import warn_about_other_providers
 from .plugins import find_drafter_kind
 from .validation import check, problem
 
@@ -242,6 +243,7 @@ def load_drafter(
         )
     if revision is not None and not isinstance(revision, str):
         raise ValueError(f"revision must be a string, got {revision!r}.")
+    warn_about_other_providers()
     path = resolve_checkpoint(path_or_hub_id, revision)
     config = read_config(path)
     kind = find_drafter_kind(config, path)

@@ -29,6 +29,9 @@ Run `mlx_dspark COMMAND --help` for its flags."""
 
 
 def main():
+    from .distribution import warn_about_other_providers
+
+    warn_about_other_providers()
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(USAGE)
         return 0 if len(sys.argv) >= 2 else 2

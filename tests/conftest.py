@@ -13,6 +13,10 @@ FIXTURES = Path(__file__).parent / "fixtures"
 os.environ.setdefault("MLX_DSPARK_CACHE", tempfile.mkdtemp(prefix="mlx-dspark-tests-"))
 DEEPSPEC_TINY = FIXTURES / "deepspec-tiny"
 
+# mlx-lm's own tests run in subprocesses, with and without mlx-dspark
+# (tests/test_mlx_lm_upstream.py).
+collect_ignore = ["mlx_lm_upstream"]
+
 # "ci" (the default) keeps the whole suite to a few minutes on two cores;
 # HYPOTHESIS_PROFILE=thorough explores far more examples.
 settings.register_profile(

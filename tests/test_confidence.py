@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -439,7 +440,7 @@ def test_cost_profiles_are_measured_once_per_depth_and_kept_on_disk(tmp_path):
     assert CostProfile(path).costs(300, timer).draft == 0.002
     assert timer.calls == 2
     # Stale entries, and entries for another number of drafts, are measured again.
-    CostProfile(path, max_age=0.0).costs(300, timer)
+    CostProfile(path, max_age=-1.0).costs(300, timer)  # none is fresh, however quick
     assert timer.calls == 3
     CostProfile(path).costs(300, CountingTimer(0.002, [0.01] * 6))
     assert len(json.loads(path.read_text())["512"]["verify"]) == 6
@@ -575,6 +576,18 @@ def test_a_scheduler_choice_out_of_range_is_refused(tiny_pair, choice):
         speculative(model, drafter, [65, 211], 20, scheduler=WrongScheduler(choice))
 
 
+class TableCostScheduler(CostScheduler):
+    """The cost scheduler on a fixed table of round costs instead of this
+    machine's timings, so that its choices depend on the confidences alone."""
+
+    def __init__(self, temperatures, draft, verify):
+        super().__init__(temperatures, cache_profiles=False)
+        self.table = RoundCosts(draft, verify)
+
+    def profile(self, timer):
+        return SimpleNamespace(costs=lambda depth, timer: self.table)
+
+
 SCHEDULED = {
     "threshold": lambda: mlx_dspark.load_drafter(
         DSPARK, confidence_threshold=0.4, calibration=False
@@ -583,6 +596,11 @@ SCHEDULED = {
         DSPARK, scheduler="cost", calibration=SHIPPED / "dspark_tiny_gemma4_block4.json"
     ),
 }
+
+
+# Round costs under which the cost scheduler's choice varies with the tiny
+# drafter's confidences.
+COST_TABLE = (0.002, [0.010, 0.013, 0.016, 0.019, 0.022])
 
 
 @pytest.mark.parametrize("name", [*SCHEDULED, "random"])
@@ -598,7 +616,11 @@ def test_scheduled_sampling_keeps_the_targets_distribution(
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
     model, _ = tiny_pair
     drafter = SCHEDULED[name]() if name in SCHEDULED else tiny_pair[1]
-    scheduler = RandomScheduler(0, measure=True) if name == "random" else None
+    scheduler = None
+    if name == "random":
+        scheduler = RandomScheduler(0, measure=True)
+    elif name == "cost":
+        scheduler = TableCostScheduler(drafter.calibration.temperatures, *COST_TABLE)
     sampler = mlx_dspark.make_sampler(temp=1.0)
     stats = SpeculativeStats(drafter.name, drafter.block_size)
 

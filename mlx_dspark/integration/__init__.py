@@ -2,9 +2,14 @@
 hidden-state drafters (applied by ``mlx_dspark.activation`` or by the
 ``mlx_dspark`` command). Each patch replaces one module attribute and keeps the
 original, so ``unpatch_module`` restores mlx-lm exactly; applying twice is a
-no-op. mlx-lm versions outside the tested range are left alone."""
+no-op. mlx-lm versions outside the tested range are left alone.
+
+The replacements (``hooks``) pass through to mlx-lm unless a draft model is
+involved; the modules that do the work load on first use."""
 
 import sys
+
+from . import hooks
 
 TESTED_MLX_LM = ((0, 32), (0, 33))  # >= 0.32, < 0.33
 
@@ -20,23 +25,22 @@ def mlx_lm_version_supported(version: str) -> bool:
 
 def _generate_patches(module):
     from ..spec import sampling
-    from . import cli, dispatch
 
     sample_utils = sys.modules["mlx_lm.sample_utils"]
     return [
-        (module, "load", dispatch.load_with_drafters(module.load)),
+        (module, "load", hooks.load(module.load)),
         (module, "make_sampler", sampling.make_sampler),
         (sample_utils, "make_sampler", sampling.make_sampler),
         (
             module,
             "speculative_generate_step",
-            dispatch.dispatcher(module.speculative_generate_step),
+            hooks.speculative_generate_step(module.speculative_generate_step),
         ),
-        (module, "generate", cli.verbose_stats(module.generate)),
+        (module, "generate", hooks.generate(module.generate)),
         (
             module,
             "main",
-            cli.wrap_main(
+            hooks.main(
                 module.main,
                 "mlx_lm.generate",
                 module.DEFAULT_MODEL,
@@ -48,43 +52,41 @@ def _generate_patches(module):
 
 def _server_patches(module):
     from ..spec import sampling
-    from . import checks, cli, dispatch, server
 
     generator, handler = module.ResponseGenerator, module.APIHandler
     return [
-        (module, "load", dispatch.load_with_drafters(module.load)),
+        (module, "load", hooks.load(module.load)),
         (module, "make_sampler", sampling.make_sampler),
         (
             module,
             "make_prompt_cache",
-            server.make_prompt_cache(module.make_prompt_cache),
+            hooks.make_prompt_cache(module.make_prompt_cache),
         ),
-        (module, "LRUPromptCache", server.RollbackAwarePromptCache),
         (
             generator,
             "_next_request",
-            server.next_request(generator._next_request, module.GenerationContext),
+            hooks.next_request(generator._next_request, module.GenerationContext),
         ),
-        (generator, "_serve_single", server.serve_single(generator._serve_single)),
-        (module.ModelProvider, "load", server.batchable_load(module.ModelProvider.load)),
-        (module, "BatchGenerator", server.batch_generator(module.BatchGenerator)),
-        (generator, "generate", server.remember_context(generator.generate)),
+        (generator, "_serve_single", hooks.serve_single(generator._serve_single)),
+        (module.ModelProvider, "load", hooks.provider_load(module.ModelProvider.load)),
+        (module, "BatchGenerator", hooks.batch_generator(module.BatchGenerator)),
+        (generator, "generate", hooks.remember_statistics(generator.generate)),
         (
             handler,
             "generate_response",
-            server.with_speculative_usage(handler.generate_response),
+            hooks.with_speculative_usage(handler.generate_response),
         ),
         (
             handler,
             "completion_usage_response",
-            server.with_speculative_usage(handler.completion_usage_response),
+            hooks.with_speculative_usage(handler.completion_usage_response),
         ),
         (
             handler,
             "validate_model_parameters",
-            checks.checking_requests(handler.validate_model_parameters),
+            hooks.checking_requests(handler.validate_model_parameters),
         ),
-        (module, "main", cli.wrap_main(module.main, "mlx_lm.server")),
+        (module, "main", hooks.main(module.main, "mlx_lm.server")),
     ]
 
 

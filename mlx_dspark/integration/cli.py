@@ -22,6 +22,7 @@ from ..validation import (
     vocab_size,
 )
 from .dispatch import StatsSlot, checkpoint_config, drafter_options, local, preloaded
+from .hooks import generation_options, server_options
 
 HELP = """\
 mlx-dspark (hidden-state speculative drafters, e.g. DeepSeek DSpark/DFlash):
@@ -58,14 +59,6 @@ PROCESSOR_HELP = """\
   --repetition-penalty P, --repetition-context-size N (default 20),
   --presence-penalty P, --frequency-penalty P, --logit-bias '{"id": bias, ...}'
 """
-
-# The logits processors mlx_lm.generate's flags ask for (mlx-lm's own CLI
-# has no such flags; the server takes them per request), and the logit bias,
-# checked against the model once it is loaded; and how the server batches
-# requests with a drafter.
-generation_options = {}
-server_options = {}
-
 
 class _Parser(argparse.ArgumentParser):
     """Flag errors as ValueError, so that they end in one ``error:`` line."""
@@ -174,56 +167,45 @@ def _fail(prog: str, error: Exception):
     sys.exit(1)
 
 
-def wrap_main(
+def main(
     original: Callable,
     prog: str,
     default_model: Optional[str] = None,
     with_processors: bool = False,
 ):
-    """An mlx-lm ``main`` that understands hidden-state drafters."""
-
-    def main():
-        argv = sys.argv[1:]
-        if "-h" in argv or "--help" in argv:
-            print(HELP + (PROCESSOR_HELP if with_processors else SERVER_HELP))
-            return original()
-        try:
-            argv, drafter = prepare(argv, with_processors)
-            if drafter is not None:
-                args = _probe(argv)
-                preflight(args.model or default_model, args.draft_model, drafter)
-        except ValueError as e:
-            _fail(prog, e)
-        sys.argv = sys.argv[:1] + argv
-        try:
-            return original()
-        except ValueError as e:
-            _fail(prog, e)
-
-    return main
+    """An mlx-lm ``main`` that understands hidden-state drafters (for a
+    command line with one of mlx-dspark's flags or ``--draft-model``)."""
+    argv = sys.argv[1:]
+    if "-h" in argv or "--help" in argv:
+        print(HELP + (PROCESSOR_HELP if with_processors else SERVER_HELP))
+        return original()
+    try:
+        argv, drafter = prepare(argv, with_processors)
+        if drafter is not None:
+            args = _probe(argv)
+            preflight(args.model or default_model, args.draft_model, drafter)
+    except ValueError as e:
+        _fail(prog, e)
+    sys.argv = sys.argv[:1] + argv
+    try:
+        return original()
+    except ValueError as e:
+        _fail(prog, e)
 
 
-def verbose_stats(original: Callable) -> Callable:
-    """``mlx_lm.generate.generate`` that, when verbose, also prints the
-    speculative statistics, and applies the logits processors the command
-    line asked for."""
-
-    def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs):
-        if "logit_bias" in generation_options:
-            check_token_ids(
-                generation_options["logit_bias"], vocab_size(model), "--logit-bias"
-            )
-        if "logits_processors" in generation_options:
-            kwargs.setdefault(
-                "logits_processors", generation_options["logits_processors"]
-            )
-        local.slot = StatsSlot()
-        try:
-            text = original(model, tokenizer, prompt, verbose=verbose, **kwargs)
-        finally:
-            slot, local.slot = local.slot, None
-        if verbose and slot.stats is not None:
-            print(f"Speculative: {slot.stats.summary()}")
-        return text
-
-    return generate
+def generate(original: Callable, model, tokenizer, prompt, verbose=False, **kwargs):
+    """``mlx_lm.generate.generate`` that applies the logits processors the
+    command line asked for (their logit bias checked against the model) and,
+    when verbose, also prints the speculative statistics."""
+    if "logit_bias" in generation_options:
+        check_token_ids(generation_options["logit_bias"], vocab_size(model), "--logit-bias")
+    if "logits_processors" in generation_options:
+        kwargs.setdefault("logits_processors", generation_options["logits_processors"])
+    local.slot = StatsSlot()
+    try:
+        text = original(model, tokenizer, prompt, verbose=verbose, **kwargs)
+    finally:
+        slot, local.slot = local.slot, None
+    if verbose and slot.stats is not None:
+        print(f"Speculative: {slot.stats.summary()}")
+    return text

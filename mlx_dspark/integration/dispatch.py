@@ -20,12 +20,11 @@ from ..spec import engine
 from ..spec.stats import SpeculativeStats
 from ..validation import is_drafter
 
-# Per thread: the slot a speculative run reports its statistics to (set by
-# the CLI, or by the server for the request it serves) and, in the server, the
-# rollback depth of the caches it makes. Per process: the drafter options the
-# command-line flags set, and drafters the CLI checked before mlx-lm loads
-# them (the server loads in its generation thread).
-local = threading.local()
+from .hooks import local
+
+# Per process: the drafter options the command-line flags set, and drafters
+# the CLI checked before mlx-lm loads them (the server loads in its
+# generation thread).
 drafter_options = {}
 preloaded = {}
 
@@ -65,31 +64,18 @@ def drafter_config(path_or_hub_id: str) -> Optional[dict]:
     return None
 
 
-def load_with_drafters(original_load: Callable) -> Callable:
-    """mlx-lm's ``load``, which also accepts hidden-state drafter checkpoints.
-
-    mlx-lm's CLI and server load the target with options, then the draft
-    with none, and compare their tokenizers' vocabularies. So a call without
-    options is looked at: for a drafter checkpoint it returns ``(drafter,
-    tokenizer)`` with the target's tokenizer (drafter checkpoints ship none;
-    the pairing is checked on the models themselves).
-    """
-    last_tokenizer = {}
-
-    def load(path_or_hf_repo, *args, **kwargs):
-        if not args and not kwargs and drafter_config(path_or_hf_repo) is not None:
-            # MLX arrays belong to the thread that made them: the server loads
-            # in its generation thread, not where the CLI checked the drafter.
-            thread, drafter = preloaded.pop(path_or_hf_repo, (None, None))
-            if thread != threading.get_ident():
-                drafter = load_drafter(path_or_hf_repo, **drafter_options)
-            mx.eval(drafter.model.parameters())
-            return drafter, last_tokenizer.get("target")
-        result = original_load(path_or_hf_repo, *args, **kwargs)
-        last_tokenizer["target"] = result[1]
-        return result
-
-    return load
+def load_if_drafter(path_or_hf_repo):
+    """The drafter at ``path_or_hf_repo``, or ``None`` if no installed drafter
+    kind claims it (``hooks.load`` calls this for mlx-lm's draft model)."""
+    if drafter_config(path_or_hf_repo) is None:
+        return None
+    # MLX arrays belong to the thread that made them: the server loads in its
+    # generation thread, not where the CLI checked the drafter.
+    thread, drafter = preloaded.pop(path_or_hf_repo, (None, None))
+    if thread != threading.get_ident():
+        drafter = load_drafter(path_or_hf_repo, **drafter_options)
+    mx.eval(drafter.model.parameters())
+    return drafter
 
 
 def rollback_caches(model, max_rollback: int):
@@ -190,19 +176,17 @@ def two_model_step(
         _settle(draft_model, draft_cache, history, start)
 
 
-def dispatcher(original: Callable) -> Callable:
-    """A replacement for ``mlx_lm.generate.speculative_generate_step``."""
-
-    def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
-        if not is_drafter(draft_model):
-            return two_model_step(original, prompt, model, draft_model, *args, **kwargs)
-        stats = SpeculativeStats(draft_model.name, draft_model.block_size)
-        slot = getattr(local, "slot", None)
-        if slot is not None:
-            slot.stats = stats
-        return engine.speculative_generate_step(
-            prompt, model, draft_model, *args, stats=stats, **kwargs
-        )
-
-    speculative_generate_step.__doc__ = original.__doc__
-    return speculative_generate_step
+def speculative_generate_step(
+    original: Callable, prompt, model, draft_model, *args, **kwargs
+):
+    """``mlx_lm.generate.speculative_generate_step``: a hidden-state drafter
+    goes to mlx-dspark's engine, an ordinary draft model to ``two_model_step``."""
+    if not is_drafter(draft_model):
+        return two_model_step(original, prompt, model, draft_model, *args, **kwargs)
+    stats = SpeculativeStats(draft_model.name, draft_model.block_size)
+    slot = getattr(local, "slot", None)
+    if slot is not None:
+        slot.stats = stats
+    return engine.speculative_generate_step(
+        prompt, model, draft_model, *args, stats=stats, **kwargs
+    )
