@@ -81,7 +81,12 @@ def test_every_flag_of_ours_sends_the_command_line_through_our_cli():
     from mlx_dspark.integration import cli, hooks
 
     flags = hooks.DRAFTER_FLAGS + hooks.PROCESSOR_FLAGS
-    parsed = {o for a in cli._parser(True)._actions for o in a.option_strings}
+    parsed = {
+        o
+        for generate in (True, False)  # mlx_lm.generate's flags, then the server's
+        for a in cli._parser(generate)._actions
+        for o in a.option_strings
+    }
     assert parsed | {"--draft-model"} == set(flags)
     for flag in flags:
         assert hooks.names_a_flag(["--prompt", "hi", f"{flag}=1"], flags)
@@ -92,27 +97,49 @@ def test_every_flag_of_ours_sends_the_command_line_through_our_cli():
     assert not hooks.names_a_flag(stock, flags)
 
 
-def test_a_server_uses_its_own_prompt_cache_lookup_unless_a_draft_model_serves():
+
+def test_a_server_uses_its_own_prompt_cache_lookup_unless_a_draft_model_serves(
+    monkeypatch,
+):
+    """The LRU keeps mlx-lm's class and lookup; once a request with a draft
+    model is taken, lookups go through the rollback-aware one while a draft
+    model is loaded, and through mlx-lm's otherwise."""
     import mlx_lm.server
     from mlx_lm.models.cache import LRUPromptCache
 
-    from mlx_dspark.integration import hooks
+    from mlx_dspark.integration import hooks, server
 
     assert mlx_lm.server.LRUPromptCache is LRUPromptCache
-    lookups = []
-
-    def original(generator, request, stream):
-        lookups.append(generator.prompt_cache.fetch_nearest_cache)
-
+    requests = queue.Queue()
     generator = SimpleNamespace(
-        model_provider=SimpleNamespace(draft_model=None), prompt_cache=LRUPromptCache()
+        model_provider=SimpleNamespace(
+            draft_model=None, cli_args=SimpleNamespace(draft_model=None)
+        ),
+        prompt_cache=LRUPromptCache(),
+        _is_distributed=False,
     )
-    serve = hooks.serve_single(original, mlx_lm.server.GenerationContext)
-    serve(generator, "request", None)
-    assert lookups[-1].__func__ is LRUPromptCache.fetch_nearest_cache
+    take = hooks.next_request(
+        lambda self, timeout: requests.get_nowait(), mlx_lm.server.GenerationContext
+    )
 
-    generator.model_provider.draft_model = object()
-    serve(generator, (queue.Queue(), None, SimpleNamespace(num_draft_tokens=3)), None)
-    stock_lookup = LRUPromptCache.fetch_nearest_cache
-    assert getattr(lookups[-1], "__func__", None) is not stock_lookup
+    def request(draft):
+        args = SimpleNamespace(model=SimpleNamespace(draft=draft), num_draft_tokens=3)
+        requests.put((queue.Queue(), None, args))
+        return take(generator, None)
+
+    plain = request("default_model")
+    assert isinstance(plain[0], queue.Queue)
     assert "fetch_nearest_cache" not in vars(generator.prompt_cache)
+
+    drafted = request("drafter")
+    assert drafted[0].slot.num_draft_tokens == 3
+    rollback_aware = []
+    monkeypatch.setattr(
+        server, "fetch_nearest_cache", lambda lru, key, tokens: rollback_aware.append(key)
+    )
+    lookup = generator.prompt_cache.fetch_nearest_cache
+    assert lookup(("m", None, None), [1, 2]) == (None, [1, 2])  # mlx-lm's: a miss
+    assert rollback_aware == []
+    generator.model_provider.draft_model = object()
+    lookup(("m", None, "drafter"), [1, 2])
+    assert rollback_aware == [("m", None, "drafter")]

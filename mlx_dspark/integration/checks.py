@@ -18,10 +18,11 @@ from .dispatch import drafter_config, drafter_options
 
 def model_key(provider, model: str, adapter, draft: str) -> tuple:
     """The ``model_key`` ``ModelProvider.load`` gives these request fields."""
+    aliases = [getattr(provider, f"_{name}_map", {}) for name in ("model", "adapter", "draft_model")]
     return (
-        provider._model_map.get(model, model),
-        provider._adapter_map.get(model, adapter),
-        provider._draft_model_map.get(draft, draft),
+        aliases[0].get(model, model),
+        aliases[1].get(model, adapter),
+        aliases[2].get(draft, draft),
     )
 
 

@@ -139,7 +139,12 @@ def next_request(original, context_type):
 
     def _next_request(self, timeout=None):
         request = original(self, timeout)
-        if request is None or request[2].model.draft is None or self._is_distributed:
+        if request is None or self._is_distributed:
+            return request
+        draft = request[2].model.draft
+        if draft == "default_model":  # what a request names unless it asks
+            draft = self.model_provider.cli_args.draft_model
+        if draft is None:
             return request
         from . import server
 

@@ -89,15 +89,16 @@ class _ReportingQueue:
 
 def prepare_request(generator, request, context_type):
     """A request with a draft model, as the generation thread takes it: its
-    queue carries its statistics slot, and the server's LRU looks up the
-    caches of draft-model requests within their rollback reach."""
+    queue carries its statistics slot, and from now on the server's LRU
+    looks up caches within their rollback reach while a draft model is
+    loaded (mlx-lm's own lookup otherwise)."""
     queue, completion, args = request
-    lru = generator.prompt_cache
+    lru, provider = generator.prompt_cache, generator.model_provider
     if "fetch_nearest_cache" not in vars(lru):
         stock = lru.fetch_nearest_cache
         lru.fetch_nearest_cache = lambda key, tokens: (
             fetch_nearest_cache(lru, key, tokens)
-            if key[2] is not None
+            if provider.draft_model is not None
             else stock(key, tokens)
         )
     if isinstance(queue, _ReportingQueue):
