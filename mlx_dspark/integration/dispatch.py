@@ -83,7 +83,9 @@ def load_with_drafters(original_load: Callable) -> Callable:
             thread, drafter = preloaded.pop(path_or_hf_repo, (None, None))
             if thread != threading.get_ident():
                 drafter = load_drafter(path_or_hf_repo, **drafter_options)
-            mx.eval(drafter.model.parameters())
+            network = getattr(drafter, "model", None)  # optional in the protocol
+            if network is not None:
+                mx.eval(network.parameters())
             return drafter, last_tokenizer.get("target")
         result = original_load(path_or_hf_repo, *args, **kwargs)
         last_tokenizer["target"] = result[1]
