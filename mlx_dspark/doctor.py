@@ -18,7 +18,6 @@ survive: the speedup of rounds with no overhead beyond a draft and a verify
 
 import argparse
 import importlib.metadata
-import inspect
 import json
 import sys
 from pathlib import Path
@@ -179,17 +178,11 @@ def load_pair(model_path: str, draft_path: str, calibration: Optional[str]):
     unread."""
     from mlx_lm import load
 
-    from .checkpoints import load_drafter, read_config, resolve_checkpoint
-    from .plugins import find_drafter_kind
+    from .checkpoints import load_drafter
     from .spec.engine import adapt_target
 
-    source = resolve_checkpoint(draft_path)
-    kind = find_drafter_kind(read_config(source), source)
-    accepted = inspect.signature(kind.load).parameters
-    options = {"lazy": True} if "lazy" in accepted else {}
-    if calibration is not None:
-        options["calibration"] = Path(calibration)
-    drafter = load_drafter(source, **options)
+    options = {} if calibration is None else {"calibration": Path(calibration)}
+    drafter = load_drafter(draft_path, lazy=True, **options)
     try:
         model, tokenizer = load(model_path, lazy=True)
     except (OSError, ValueError) as e:
