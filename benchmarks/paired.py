@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 import mlx_dspark
+from mlx_dspark.progress import progress
 import shapes
 from speculative import components, replayed_acceptance
 from timing import backend
@@ -85,7 +86,7 @@ def main():
                     throughput(speculative)  # warm-up
                     stats.history.clear()
                     runs = []
-                    for _ in range(args.pairs):
+                    for _ in progress(range(args.pairs), desc=f"{name} tau {tau}"):
                         plain_tps, _ = throughput(plain)
                         spec_tps, _ = throughput(speculative)
                         runs.append((plain_tps, spec_tps))

@@ -32,6 +32,8 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 import mlx_dspark
+from mlx_dspark.doctor import conditional_for_tau
+from mlx_dspark.progress import progress
 from mlx_dspark.spec import decoding
 from mlx_dspark.spec.engine import adapt_target
 
@@ -39,18 +41,6 @@ import shapes
 from timing import backend, seconds
 
 TINY = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "deepspec-tiny"
-
-
-def conditional_for_tau(tau: float, drafts: int) -> float:
-    """The per-draft acceptance c with 1 + c + c^2 + ... + c^drafts = tau."""
-    low, high = 0.0, 1.0
-    for _ in range(60):
-        c = (low + high) / 2
-        if 1 + sum(c**j for j in range(1, drafts + 1)) < tau:
-            low = c
-        else:
-            high = c
-    return (low + high) / 2
 
 
 @contextlib.contextmanager
@@ -113,7 +103,7 @@ def generate(steps, repeats):
     time since the first: prompt processing excluded) of ``repeats`` runs of
     the step generator ``steps()``, after a warm-up run."""
     speeds, tokens = [], None
-    for _ in range(repeats + 1):
+    for _ in progress(range(repeats + 1), desc="runs"):
         tokens, first = [], None
         for step in steps():
             tokens.append(int(step[0]))

@@ -26,6 +26,7 @@ import shapes
 from speculative import generate, replayed_acceptance
 from timing import backend, seconds
 
+from mlx_dspark.progress import progress
 from mlx_dspark.spec.engine import adapt_target
 
 DRAFTERS = {
@@ -144,7 +145,7 @@ def main():
     for bits in args.target_bits:
         if bits != 16:
             shapes.quantize(model, bits)
-        for context in args.contexts:
+        for context in progress(args.contexts, desc=f"{bits}-bit target"):
             prompt = mx.random.randint(5, vocab, (context,)).astype(mx.uint32)
             tic = time.perf_counter()
             row = components(model, drafters, prompt)

@@ -5,7 +5,7 @@
 explicitly: every mlx-lm flag passes through. They work without the
 auto-activation (for example with ``MLX_DSPARK_DISABLE=1``, or on Python
 versions that no longer run ``.pth`` import lines). mlx-dspark's own
-commands (``convert``, ``calibrate``) are modules with a ``main(argv)``.
+commands (``convert``, ``calibrate``, ``doctor``) are modules with a ``main(argv)``.
 """
 
 import importlib
@@ -15,15 +15,17 @@ MLX_LM_COMMANDS = {"generate": "mlx_lm.generate", "server": "mlx_lm.server"}
 OWN_COMMANDS = {
     "convert": "mlx_dspark.convert",
     "calibrate": "mlx_dspark.confidence.calibrate",
+    "doctor": "mlx_dspark.doctor",
 }
 
 USAGE = """\
-usage: mlx_dspark {generate,server,convert,calibrate} [flags ...]
+usage: mlx_dspark {generate,server,convert,calibrate,doctor} [flags ...]
 
   generate   mlx_lm.generate with hidden-state drafters (--draft-model)
   server     mlx_lm.server with hidden-state drafters (--draft-model)
   convert    write a quantized (--q-bits) or re-typed (--dtype) drafter
   calibrate  fit a DSpark drafter's confidence calibration (STS) on prompts
+  doctor     check the install and a pair, and whether speculation pays here
 
 Run `mlx_dspark COMMAND --help` for its flags."""
 

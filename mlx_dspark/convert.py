@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Tuple, Union
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.utils import quantize_model, save_config, save_model
 
 from .checkpoints import (
@@ -27,6 +29,7 @@ from .checkpoints import (
     read_config,
     resolve_checkpoint,
 )
+from .progress import progress
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -150,6 +153,12 @@ def convert(
         for path, reason in float_layers(model, q_group_size):
             print(f"  kept float: {path} ({reason})")
 
+    # The conversion is lazy until here: reading, casting and quantizing
+    # happen tensor by tensor.
+    for _, weight in progress(
+        tree_flatten(model.parameters()), desc="convert", unit="tensor"
+    ):
+        mx.eval(weight)
     save_model(out, model)
     save_config(config, out / "config.json")
     copy_other_files(source, out)

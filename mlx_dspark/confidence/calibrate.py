@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm import load
 
 from ..checkpoints import load_drafter
+from ..progress import progress
 from ..spec.engine import speculative_generate_step
 from ..spec.sampling import make_sampler
 from ..spec.stats import SpeculativeStats
@@ -87,7 +88,8 @@ def collect(model, tokenizer, drafter, prompts, args) -> List[SpeculativeStats]:
     """One generation per prompt with every draft verified."""
     sampler = make_sampler(args.temp, args.top_p)
     collected = []
-    for number, prompt in enumerate(prompts, 1):
+    bar = progress(prompts, desc="calibrate", unit="prompt")
+    for prompt in bar:
         ids = encode(tokenizer, prompt, not args.ignore_chat_template)
         stats = SpeculativeStats(drafter.name, drafter.block_size)
         for _ in speculative_generate_step(
@@ -102,11 +104,7 @@ def collect(model, tokenizer, drafter, prompts, args) -> List[SpeculativeStats]:
         ):
             pass
         collected.append(stats)
-        print(
-            f"[{number}/{len(prompts)}] {stats.rounds} rounds, tau {stats.tau:.2f}",
-            file=sys.stderr,
-            flush=True,
-        )
+        bar.set_postfix(rounds=stats.rounds, tau=f"{stats.tau:.2f}")
     return collected
 
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from functools import cached_property, partial
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -91,22 +91,47 @@ class RoundTimer:
         text = json.dumps(identity, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
-    def __call__(self) -> RoundCosts:
-        def seconds(fn):
-            mx.eval(fn())
-            times = []
-            for _ in range(REPEATS):
-                tic = time.perf_counter()
-                mx.eval(fn())
-                times.append(time.perf_counter() - tic)
-            return statistics.median(times)
-
+    def __call__(self, tokens: Optional[Iterable[int]] = None) -> RoundCosts:
+        """Costs of a draft and of verifying ``1, 2, ...`` tokens (by default
+        up to ``drafts + 1``; ``tokens`` must count up from 1)."""
+        tokens = range(1, self.drafts + 2) if tokens is None else tokens
         return RoundCosts(
-            draft=seconds(self.draft),
-            verify=[
-                seconds(partial(self.verify, n)) for n in range(1, self.drafts + 2)
-            ],
+            draft=median_seconds(self.draft),
+            verify=[median_seconds(partial(self.verify, n)) for n in tokens],
         )
+
+
+def median_seconds(fn: Callable[[], Any]) -> float:
+    """Median seconds of ``fn()`` with its result evaluated, after a warm-up."""
+    mx.eval(fn())
+    times = []
+    for _ in range(REPEATS):
+        tic = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times)
+
+
+def live_timer(
+    model, drafter, target, target_cache, draft_cache, drafts, anchor
+) -> RoundTimer:
+    """A ``RoundTimer`` on one sequence's live caches: verifies repeat the
+    current ``anchor()`` and are rolled back, drafts propose ``drafts``."""
+
+    def verify(n):
+        tokens = mx.repeat(anchor().reshape(1), n)[None]
+        out = target(tokens, target_cache, drafter.taps)
+        for c in target_cache:
+            c.trim(n)
+        return out.logits, out.hidden
+
+    def draft():
+        proposal = drafter.propose(
+            draft_cache, anchor(), drafts, target_cache=target_cache
+        )
+        return proposal.tokens, proposal.confidence
+
+    return RoundTimer(model, drafter, drafts, verify, draft)
 
 
 class CostProfile:

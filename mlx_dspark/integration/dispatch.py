@@ -74,7 +74,9 @@ def load_if_drafter(path_or_hf_repo):
     thread, drafter = preloaded.pop(path_or_hf_repo, (None, None))
     if thread != threading.get_ident():
         drafter = load_drafter(path_or_hf_repo, **drafter_options)
-    mx.eval(drafter.model.parameters())
+    network = getattr(drafter, "model", None)  # optional in the protocol
+    if network is not None:
+        mx.eval(network.parameters())
     return drafter
 
 

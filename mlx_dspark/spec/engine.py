@@ -20,7 +20,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from ..cache import SlidingWindowKVCache
 from ..confidence.calibration import survival
-from ..confidence.costs import RoundTimer
+from ..confidence.costs import live_timer
 from ..confidence.schedulers import scheduler_for
 from ..drafters.base import Proposal
 from ..plugins import find_target_adapter
@@ -195,19 +195,15 @@ def speculative_generate_step(
         once they are final (see ``commit``)."""
         return target(tokens[None], target_cache, taps)
 
-    def time_verify(n):
-        out = forward(mx.repeat(anchor.reshape(1), n))
-        for c in target_cache:
-            c.trim(n)
-        return out.logits, out.hidden
-
-    def time_draft():
-        proposal = drafter.propose(
-            draft_cache, anchor, num_draft_tokens, target_cache=target_cache
-        )
-        return proposal.tokens, proposal.confidence
-
-    timer = RoundTimer(model, drafter, num_draft_tokens, time_verify, time_draft)
+    timer = live_timer(
+        model,
+        drafter,
+        target,
+        target_cache,
+        draft_cache,
+        num_draft_tokens,
+        lambda: anchor,
+    )
 
     def settle(first_position, yielded_tokens):
         """Leave the caches holding the prompt and every yielded token."""

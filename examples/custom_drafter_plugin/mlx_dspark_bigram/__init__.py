@@ -1,0 +1,1 @@
+"""An example mlx-dspark plugin: the bigram-table drafter kind."""

@@ -1,0 +1,404 @@
+"""``mlx_dspark doctor``: will speculative decoding pay for this target and
+drafter on this machine?
+
+1. The install: mlx-lm in the supported range, the activation on, one
+   distribution providing ``mlx_dspark``.
+2. The pair, from configs and tensor headers (no weights read).
+3. This machine's costs at a context depth: a decode step, a verify of
+   1 ... 32 tokens, one round of drafts.
+4. For the drafter's measured acceptance (its calibration report) or a
+   typical one, the expected speedup per scheduler and number of drafts, and
+   a verdict.
+
+The estimate is ``τ(k) · T_decode / (T_draft + T_verify(k + 1))`` with
+``τ(k) = 1 + Σ_{j<=k} a_j``, ``a_j`` the chance that drafts ``1..j`` all
+survive: the speedup of rounds with no overhead beyond a draft and a verify
+(BENCHMARKS.md's ``bound_speedup``).
+"""
+
+import argparse
+import importlib.metadata
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+MAX_VERIFY = 32
+# DSpark on chat prompts, Gemma-4-12B, block 7: τ ≈ 3.3 (paper, Table 1).
+TYPICAL_TAU, TYPICAL_DRAFTS = 3.3, 7
+# Below this expected speedup, speculation is not worth its memory and setup.
+WORTH_IT = 1.1
+
+
+def conditional_for_tau(tau: float, drafts: int) -> float:
+    """The per-draft acceptance c with 1 + c + c^2 + ... + c^drafts = tau."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        c = (low + high) / 2
+        if 1 + sum(c**j for j in range(1, drafts + 1)) < tau:
+            low = c
+        else:
+            high = c
+    return (low + high) / 2
+
+
+def typical_survival(drafts: int, tau: float = TYPICAL_TAU) -> List[float]:
+    """``a_j = c^j`` for the c of ``tau`` at ``TYPICAL_DRAFTS`` drafts."""
+    c = conditional_for_tau(tau, TYPICAL_DRAFTS)
+    return [c**j for j in range(1, drafts + 1)]
+
+
+def measured_survival(calibration) -> Optional[List[float]]:
+    """``a_j`` as the calibration run measured it (every draft verified)."""
+    report = (calibration.report or {}).get("fit") or {}
+    rates = [p["accept_rate"] for p in report.get("before", [])]
+    return rates or None
+
+
+def speedup(survival: Sequence[float], drafts: int, costs: dict) -> dict:
+    tau = 1 + sum(survival[:drafts])
+    seconds = costs["draft"] + costs["verify"][drafts]
+    return {
+        "drafts": drafts,
+        "tau": round(tau, 3),
+        "speedup": round(tau * costs["verify"][0] / seconds, 3),
+    }
+
+
+def estimate(
+    survival: Sequence[float], costs: dict, drafter: dict
+) -> List[dict]:
+    """Expected speedup of each way to run the drafter (``drafter`` as
+    ``describe_pair`` gives it): ``fixed`` (every draft of the block),
+    ``fixed`` with the best ``--num-draft-tokens``, and, for a drafter with
+    confidences, ``cost``, which chooses per round and is estimated at its
+    average, the best number of drafts."""
+    limit = min(len(survival), len(costs["verify"]) - 1, drafter["max_draft_tokens"])
+    block_size = min(drafter["block_size"], limit)
+
+    def gain(k):
+        return speedup(survival, k, costs)["speedup"]
+
+    best = max(range(1, limit + 1), key=gain)
+    rows = [{"scheduler": "fixed", **speedup(survival, block_size, costs)}]
+    if best != block_size:
+        rows.append({"scheduler": "fixed", **speedup(survival, best, costs)})
+    if drafter["confidence"]:
+        rows.append({"scheduler": "cost", **speedup(survival, best, costs)})
+    return rows
+
+
+def verdict(rows: List[dict]) -> dict:
+    """The best row (the first of equals: the default, then the fewest
+    flags) and a one-line verdict."""
+    best = max(rows, key=lambda r: r["speedup"])
+    flags = "the default settings"
+    if best is not rows[0]:
+        flags = f"--num-draft-tokens {best['drafts']}"
+    if best["scheduler"] == "cost":
+        flags = "--draft-scheduler cost"
+    if best["speedup"] >= WORTH_IT:
+        line = (
+            f"Speculate: expect about {best['speedup']:.2f}x plain decoding "
+            f"with {flags}."
+        )
+    elif best["speedup"] >= 1:
+        line = (
+            f"Marginal: at best {best['speedup']:.2f}x plain decoding ({flags}); "
+            "plain decoding is about as fast."
+        )
+    else:
+        line = (
+            f"Do not speculate here: at best {best['speedup']:.2f}x, plain "
+            "decoding is faster on this machine."
+        )
+    return {"speculate": best["speedup"] >= WORTH_IT, "best": best, "line": line}
+
+
+def providers(package: str = "mlx_dspark") -> List[str]:
+    """The installed distributions that provide ``package``: by their files,
+    or, installed in editable mode, by a ``.pth`` path to a directory that
+    holds it."""
+    names = set(importlib.metadata.packages_distributions().get(package, []))
+    for dist in importlib.metadata.distributions():
+        for file in dist.files or ():
+            if file.suffix != ".pth":
+                continue
+            try:
+                lines = file.read_text().splitlines()
+            except (OSError, UnicodeDecodeError):
+                continue
+            if any((Path(line.strip()) / package).is_dir() for line in lines):
+                names.add(dist.metadata["Name"])
+    return sorted(names)
+
+
+def check_install() -> dict:
+    import mlx_lm
+
+    from .activation import PostImportHook, disabled
+    from .integration import mlx_lm_version_supported
+    from .plugins import drafter_kinds
+
+    generate = sys.modules.get("mlx_lm.generate")
+    result = {
+        "mlx_lm": mlx_lm.__version__,
+        "mlx_lm_supported": mlx_lm_version_supported(mlx_lm.__version__),
+        "activation": any(isinstance(f, PostImportHook) for f in sys.meta_path),
+        "disabled": disabled(),
+        "patched": getattr(generate, "_mlx_dspark_originals", None) is not None,
+        "distributions": providers(),
+        "drafter_kinds": [k.name for k in drafter_kinds()],
+    }
+    problems = []
+    if not result["mlx_lm_supported"]:
+        problems.append(
+            f"mlx-lm {mlx_lm.__version__} is outside the supported range "
+            ">=0.32,<0.33: pip install 'mlx-lm>=0.32,<0.33'"
+        )
+    if result["disabled"]:
+        problems.append("MLX_DSPARK_DISABLE is set: mlx_lm's commands run unchanged")
+    elif not (result["activation"] and result["patched"]):
+        problems.append(
+            "the activation is off (mlx_dspark.pth did not run): reinstall with "
+            "pip, or use `mlx_dspark generate|server`"
+        )
+    if len(result["distributions"]) > 1:
+        problems.append(
+            "several installed distributions provide the mlx_dspark package ("
+            + ", ".join(result["distributions"])
+            + "): uninstall all but one"
+        )
+    result["problems"] = problems
+    return result
+
+
+def load_pair(model_path: str, draft_path: str, calibration: Optional[str]):
+    """The target and drafter, checked against each other with their weights
+    unread."""
+    from mlx_lm import load
+
+    from .checkpoints import load_drafter
+    from .spec.engine import adapt_target
+
+    options = {} if calibration is None else {"calibration": Path(calibration)}
+    drafter = load_drafter(draft_path, lazy=True, **options)
+    try:
+        model, tokenizer = load(model_path, lazy=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"Cannot load the target {model_path}: {e}") from None
+    target = adapt_target(model, drafter)
+    return model, drafter, target
+
+
+def precision(fingerprint: dict) -> str:
+    if fingerprint["quantization"]:
+        return ", ".join(
+            f"{bits}-bit (group {group}, {mode})"
+            for bits, group, mode in fingerprint["quantization"]
+        )
+    return "/".join(d.replace("mlx.core.", "") for d in fingerprint["dtypes"])
+
+
+def describe_pair(model, drafter, target) -> dict:
+    from .confidence.costs import model_fingerprint
+
+    network = getattr(drafter, "model", None)
+    return {
+        "target": {
+            "model_type": target.model_type,
+            "layers": target.num_layers,
+            "hidden_size": target.hidden_size,
+            "vocab_size": target.vocab_size,
+            "precision": precision(model_fingerprint(model)),
+        },
+        "drafter": {
+            "kind": drafter.name,
+            "block_size": drafter.block_size,
+            "max_draft_tokens": drafter.max_draft_tokens,
+            "precision": precision(model_fingerprint(network)) if network else None,
+            "confidence": getattr(network, "confidence_head", None) is not None,
+            "calibration": getattr(drafter, "calibration", None) is not None,
+        },
+    }
+
+
+def measure(model, drafter, target, depth: int, verify: int) -> dict:
+    """Costs of a decode step, verifies of 1..``verify`` tokens and one round
+    of drafts, on caches holding ``depth`` tokens of context."""
+    import mlx.core as mx
+
+    from .confidence.costs import live_timer
+    from .progress import progress
+
+    target_cache = target.make_cache(verify)
+    draft_cache = drafter.make_cache()
+    prompt = mx.random.randint(0, target.vocab_size, (depth,), key=mx.random.key(0))
+    for start in range(0, depth, 512):
+        out = target(prompt[None, start : start + 512], target_cache, drafter.taps)
+        drafter.commit(draft_cache, out.hidden)
+        mx.eval([c.state for c in target_cache + draft_cache])
+    anchor = prompt[-1:]
+    timer = live_timer(
+        model,
+        drafter,
+        target,
+        target_cache,
+        draft_cache,
+        drafter.block_size,
+        lambda: anchor,
+    )
+    bar = progress(range(1, verify + 1), desc="measuring", unit="verify")
+    costs = timer(bar)
+    return {
+        "device": mx.device_info().get("device_name", str(mx.default_device())),
+        "depth": depth,
+        "decode": costs.verify[0],
+        "draft": costs.draft,
+        "verify": costs.verify,
+    }
+
+
+def read_costs(path: str) -> dict:
+    """Costs as ``measure`` gives them (``draft`` and ``verify`` seconds at
+    least), from a JSON file."""
+    try:
+        costs = json.loads(Path(path).read_text())
+        seconds = [costs["draft"], *costs["verify"]]
+        if len(seconds) < 3 or not all(
+            isinstance(c, (int, float)) and c > 0 for c in seconds
+        ):
+            raise ValueError("costs must be positive")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{path} needs positive seconds: "
+            '{"draft": s, "verify": [s for 1 token, 2 tokens, ...]} '
+            f"({type(e).__name__}: {e})"
+        ) from None
+    return {"decode": costs["verify"][0], **costs}
+
+
+def diagnose(args) -> dict:
+    report = {"install": check_install()}
+    try:
+        model, drafter, target = load_pair(
+            args.model, args.draft_model, args.draft_calibration
+        )
+    except (ValueError, OSError, RuntimeError) as e:
+        report["pair"] = {"ok": False, "problem": str(e)}
+        return report
+    report["pair"] = {"ok": True, **describe_pair(model, drafter, target)}
+    if args.costs is not None:
+        costs = read_costs(args.costs)
+    else:
+        costs = measure(model, drafter, target, args.depth, MAX_VERIFY)
+    report["costs"] = costs
+
+    calibration = getattr(drafter, "calibration", None)
+    survival = measured_survival(calibration) if calibration else None
+    source = "calibration"
+    if survival is None or args.tau is not None:
+        source = "typical" if args.tau is None else "--tau"
+        survival = typical_survival(drafter.max_draft_tokens, args.tau or TYPICAL_TAU)
+    report["acceptance"] = {"source": source, "survival": survival}
+    report["schedulers"] = estimate(survival, costs, report["pair"]["drafter"])
+    report["verdict"] = verdict(report["schedulers"])
+    return report
+
+
+def format_report(report: dict) -> str:
+    install = report["install"]
+    lines = [
+        f"install: mlx-lm {install['mlx_lm']}, activation "
+        f"{'on' if install['activation'] and install['patched'] else 'off'}, "
+        f"provided by {', '.join(install['distributions']) or '?'}, "
+        f"drafter kinds {', '.join(install['drafter_kinds'])}",
+        *(f"  problem: {p}" for p in install["problems"]),
+    ]
+    pair = report["pair"]
+    if not pair["ok"]:
+        lines.append(f"pair: {pair['problem']}")
+        return "\n".join(lines)
+    t, d = pair["target"], pair["drafter"]
+    lines.append(
+        f"pair: {t['model_type']} target ({t['layers']} layers, {t['precision']}) "
+        f"and {d['kind']} drafter (block {d['block_size']}, up to "
+        f"{d['max_draft_tokens']} drafts, {d['precision']}) fit"
+    )
+    costs = report["costs"]
+    verify = costs["verify"]
+    curve = " ".join(
+        f"{k}:{verify[k - 1] / verify[0]:.2f}"
+        for k in (1, 2, 4, 8, 16, 32)
+        if k <= len(verify)
+    )
+    lines.append(
+        f"costs at depth {costs.get('depth', '?')} on {costs.get('device', '?')}: "
+        f"decode {costs['decode'] * 1e3:.2f} ms, draft {costs['draft'] * 1e3:.2f} ms, "
+        f"verify of k tokens / decode: {curve}"
+    )
+    acceptance = report["acceptance"]
+    lines.append(
+        f"acceptance ({acceptance['source']}): drafts survive "
+        + " ".join(f"{a:.2f}" for a in acceptance["survival"][:8])
+        + (" ..." if len(acceptance["survival"]) > 8 else "")
+    )
+    for row in report["schedulers"]:
+        lines.append(
+            f"  {row['scheduler']:<6} {row['drafts']:>2} drafts: tau {row['tau']:.2f}, "
+            f"expected {row['speedup']:.2f}x"
+        )
+    lines.append(report["verdict"]["line"])
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx_dspark doctor",
+        description="Check the install and a target/drafter pair, measure this "
+        "machine's round costs and say whether speculative decoding pays.",
+    )
+    p.add_argument("--model", required=True, help="the target (path or Hub id)")
+    p.add_argument("--draft-model", required=True, help="the drafter (path or Hub id)")
+    p.add_argument(
+        "--draft-calibration",
+        help="a calibration file from `mlx_dspark calibrate` (default: the "
+        "drafter's own, if calibrated)",
+    )
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=512,
+        help="context depth to measure the costs at (default 512)",
+    )
+    p.add_argument(
+        "--tau",
+        type=float,
+        help=f"assume this mean accepted length for {TYPICAL_DRAFTS} drafts "
+        f"instead of the measured one (default without a calibration: "
+        f"{TYPICAL_TAU}, DSpark on chat)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    # Costs from a file instead of measuring them (tests, what-if questions).
+    p.add_argument("--costs", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    problem = None
+    if args.depth < 1:
+        problem = "--depth must be positive"
+    elif args.tau is not None and not 1 <= args.tau <= TYPICAL_DRAFTS + 1:
+        problem = f"--tau must be in [1, {TYPICAL_DRAFTS + 1}]"
+    if problem is None:
+        try:
+            report = diagnose(args)
+        except ValueError as e:
+            problem = str(e)
+    if problem:
+        print(f"mlx_dspark doctor: error: {problem}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    ok = report["pair"]["ok"] and not report["install"]["problems"]
+    return 0 if ok else 1

@@ -1,0 +1,158 @@
+"""``mlx_dspark doctor``: structure and consistency of its report, never its
+timings; verdicts from injected cost tables."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_dspark import doctor
+from mlx_dspark.doctor import estimate, main, providers, typical_survival, verdict
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "fixtures" / "deepspec-tiny"
+TARGET = TINY / "target_tiny_gemma4"
+DSPARK = TINY / "dspark_tiny_gemma4_block4"
+DFLASH = TINY / "dflash_tiny_gemma4_block4"
+CALIBRATION = ROOT / "examples" / "calibration" / "dspark_tiny_gemma4_block4.json"
+QWEN3_TARGET = ROOT / "tests" / "fixtures" / "deepspec-qwen3-tiny" / "target_tiny_qwen3"
+DSPARK_DRAFTER = {"block_size": 4, "max_draft_tokens": 4, "confidence": True}
+
+
+def doctor_command(*args):
+    env = {k: v for k, v in os.environ.items() if k != "MLX_DSPARK_DISABLE"}
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "mlx_dspark"), "doctor", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_doctor_reports_install_pair_costs_and_consistent_estimates():
+    result = doctor_command(
+        "--model", TARGET, "--draft-model", DSPARK,
+        "--draft-calibration", CALIBRATION, "--json", "--depth", 64,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+
+    install = report["install"]
+    assert install["mlx_lm_supported"] and install["activation"] and install["patched"]
+    assert install["distributions"] == ["mlx-dspark"] and not install["problems"]
+    assert "deepspec-gemma4" in install["drafter_kinds"]
+
+    drafter = report["pair"]["drafter"]
+    assert report["pair"]["ok"] and report["pair"]["target"]["vocab_size"] == 512
+    assert drafter == {
+        "kind": "dspark",
+        "block_size": 4,
+        "max_draft_tokens": 4,
+        "precision": "float32",
+        "confidence": True,
+        "calibration": True,
+    }
+
+    costs = report["costs"]
+    assert costs["depth"] == 64 and len(costs["verify"]) == doctor.MAX_VERIFY
+    assert all(c > 0 for c in [costs["draft"], *costs["verify"]])
+    assert costs["decode"] == costs["verify"][0]
+
+    # The measured acceptance is the calibration run's.
+    fitted = json.loads(CALIBRATION.read_text())["report"]["fit"]["before"]
+    survival = report["acceptance"]["survival"]
+    assert report["acceptance"]["source"] == "calibration"
+    assert survival == [p["accept_rate"] for p in fitted]
+
+    rows = report["schedulers"]
+    assert rows[0]["scheduler"] == "fixed" and rows[0]["drafts"] == 4
+    assert rows[-1]["scheduler"] == "cost"
+    for row in rows:
+        k = row["drafts"]
+        tau = 1 + sum(survival[:k])
+        seconds = costs["draft"] + costs["verify"][k]
+        assert row["tau"] == pytest.approx(tau, abs=1e-3)
+        assert row["speedup"] == pytest.approx(
+            tau * costs["decode"] / seconds, abs=1e-3
+        )
+    best = max(row["speedup"] for row in rows)
+    assert report["verdict"]["best"]["speedup"] == best
+    assert report["verdict"]["speculate"] == (best >= doctor.WORTH_IT)
+
+
+def test_doctor_without_calibration_assumes_typical_acceptance(tmp_path, capsys):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"draft": 1.0, "verify": [10.0] * 5}))
+    args = ["--model", str(TARGET), "--draft-model", str(DFLASH), "--json"]
+    assert main([*args, "--costs", str(costs)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["acceptance"]["source"] == "typical"
+    assert report["acceptance"]["survival"] == typical_survival(4)
+    # DFlash has no confidences, so no cost scheduler.
+    assert [r["scheduler"] for r in report["schedulers"]] == ["fixed"]
+
+    assert main([*args, "--costs", str(costs), "--tau", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["acceptance"]["source"] == "--tau"
+    assert report["acceptance"]["survival"] == typical_survival(4, 2.0)
+
+
+def test_typical_survival_has_the_typical_mean_accepted_length():
+    survival = typical_survival(doctor.TYPICAL_DRAFTS)
+    assert 1 + sum(survival) == pytest.approx(doctor.TYPICAL_TAU, abs=1e-6)
+    assert survival == sorted(survival, reverse=True)
+
+
+def test_cheap_verifies_make_speculation_pay():
+    survival = [0.9, 0.8, 0.7, 0.6]
+    rows = estimate(survival, {"draft": 0.1, "verify": [1.0] * 5}, DSPARK_DRAFTER)
+    result = verdict(rows)
+    assert result["speculate"] and result["best"]["drafts"] == 4
+    assert result["best"]["speedup"] == pytest.approx(4.0 / 1.1, abs=1e-3)
+    assert "default settings" in result["line"]
+
+
+def test_costly_verifies_make_plain_decoding_the_verdict():
+    survival = [0.5, 0.25, 0.1, 0.05]
+    costs = {"draft": 0.5, "verify": [1.0, 2.0, 3.0, 4.0, 5.0]}
+    result = verdict(estimate(survival, costs, DSPARK_DRAFTER))
+    assert not result["speculate"] and result["line"].startswith("Do not speculate")
+
+
+def test_the_best_number_of_drafts_is_recommended():
+    survival = [0.9, 0.2, 0.1, 0.05]
+    costs = {"draft": 0.1, "verify": [1.0, 1.0, 3.0, 3.0, 3.0]}
+    rows = estimate(survival, costs, DSPARK_DRAFTER)
+    assert [r["drafts"] for r in rows] == [4, 1, 1]
+    result = verdict(rows)
+    assert result["best"]["drafts"] == 1 and "--num-draft-tokens 1" in result["line"]
+
+
+def test_doctor_reports_a_pair_that_does_not_fit(capsys):
+    assert main(["--model", str(QWEN3_TARGET), "--draft-model", str(DSPARK)]) == 1
+    out = capsys.readouterr().out
+    assert "pair: The drafter" in out and "qwen3" in out
+
+
+def test_bad_cost_files_and_options_are_one_line_errors(tmp_path, capsys):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"draft": 1.0, "verify": [0.0, 1.0]}))
+    args = ["--model", str(TARGET), "--draft-model", str(DSPARK)]
+    assert main([*args, "--costs", str(costs)]) == 2
+    assert "needs positive seconds" in capsys.readouterr().err
+    assert main([*args, "--tau", "0.5"]) == 2
+    assert "--tau must be in" in capsys.readouterr().err
+
+
+def test_a_second_distribution_providing_the_package_is_found(tmp_path, monkeypatch):
+    info = tmp_path / "other_dspark-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: other-dspark\n")
+    (info / "RECORD").write_text("mlx_dspark/__init__.py,,\n")
+    assert providers() == ["mlx-dspark"]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert providers() == ["mlx-dspark", "other-dspark"]
