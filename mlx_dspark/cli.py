@@ -5,7 +5,8 @@
 explicitly: every mlx-lm flag passes through. They work without the
 auto-activation (for example with ``MLX_DSPARK_DISABLE=1``, or on Python
 versions that no longer run ``.pth`` import lines). mlx-dspark's own
-commands (``convert``, ``calibrate``) are modules with a ``main(argv)``.
+commands (``convert``, ``calibrate``, ``prepare``, ``train``,
+``evaluate``) are modules with a ``main(argv)``.
 """
 
 import importlib
@@ -15,15 +16,21 @@ MLX_LM_COMMANDS = {"generate": "mlx_lm.generate", "server": "mlx_lm.server"}
 OWN_COMMANDS = {
     "convert": "mlx_dspark.convert",
     "calibrate": "mlx_dspark.confidence.calibrate",
+    "prepare": "mlx_dspark.training.prepare",
+    "train": "mlx_dspark.training.train",
+    "evaluate": "mlx_dspark.training.evaluate",
 }
 
 USAGE = """\
-usage: mlx_dspark {generate,server,convert,calibrate} [flags ...]
+usage: mlx_dspark {generate,server,convert,calibrate,prepare,train,evaluate} [flags ...]
 
   generate   mlx_lm.generate with hidden-state drafters (--draft-model)
   server     mlx_lm.server with hidden-state drafters (--draft-model)
   convert    write a quantized (--q-bits) or re-typed (--dtype) drafter
   calibrate  fit a DSpark drafter's confidence calibration (STS) on prompts
+  prepare    record a target's answers and hidden states for training
+  train      train a DSpark or DFlash drafter for a target
+  evaluate   report drafters' acceptance length tau on prompts
 
 Run `mlx_dspark COMMAND --help` for its flags."""
 
