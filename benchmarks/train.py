@@ -41,10 +41,10 @@ def main():
     p.add_argument("--work", type=Path, help="keep data and drafters here")
     p.add_argument("--sequences", type=int, default=128)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--held-out", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=40)
-    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--variants", default="dspark,dflash")
     p.add_argument("--out", type=Path, help="append JSON lines here")
     args = p.parse_args()
@@ -73,7 +73,7 @@ def main():
         bundled = evaluate(model, tokenizer, load_drafter(TINY / f"{variant}_tiny_gemma4_block4"), held, args.max_tokens)
         row = {
             "benchmark": "train-tiny", "variant": variant, "steps": trainer.total_steps,
-            "batch_size": args.batch_size, "sequences": args.sequences, "prepare_s": round(prepare_s, 1),
+            "batch_size": args.batch_size, "lr": args.lr, "sequences": args.sequences, "prepare_s": round(prepare_s, 1),
             "train_s": round(train_s, 1), "tokens_per_s": round(tokens / train_s),
             "tau_trained": round(ours["tau"], 3), "tau_bundled": round(bundled["tau"], 3),
             "tau_ratio": round(ours["tau"] / bundled["tau"], 3),
