@@ -1,9 +1,30 @@
 """Building blocks shared by DeepSpec's drafter networks."""
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from .heads import ConfidenceHead, make_markov_head
+
+
+@dataclass
+class TrainingBlocks:
+    """What the training forward hands every layer in place of a cache.
+
+    Args:
+        context: ``hidden_norm(fc(features))`` of every position, ``[b, S, d]``.
+        anchors: The position of each block's anchor, ``[b, n]``; block ``j``
+            sits at positions ``anchors[:, j] + 0..B-1``.
+        mask: Which keys each block query sees, ``[b, 1, n·B, S + n·B]``
+            (the keys are the context, then every block).
+        keep: ``[b, 1, n·B, 1]``, 0 on the rows of dummy blocks.
+    """
+
+    context: mx.array
+    anchors: mx.array
+    mask: mx.array
+    keep: mx.array
 
 
 class ContextBlockAttention(nn.Module):
@@ -20,7 +41,34 @@ class ContextBlockAttention(nn.Module):
     def add_context(self, context: mx.array, cache) -> None:
         cache.update_and_fetch(*self.keys_values(context, cache.offset))
 
+    def attend_blocks(self, x: mx.array, blocks: TrainingBlocks) -> mx.array:
+        """DeepSpec's training attention: ``n`` blocks of ``B`` queries each
+        (``x`` is ``[b, n·B, d]``) over the context and the blocks, masked."""
+        b, nB, _ = x.shape
+        n = blocks.anchors.shape[1]
+        offsets = blocks.anchors.reshape(-1)
+        # One batch row per block, so each gets its own RoPE offset.
+        per_block = x.reshape(b * n, nB // n, -1)
+
+        def unblock(t):
+            _, heads, L, dim = t.shape
+            t = t.reshape(b, n, heads, L, dim).transpose(0, 2, 1, 3, 4)
+            return t.reshape(b, heads, n * L, dim)
+
+        queries = unblock(self.queries(per_block, offsets))
+        keys, values = self.keys_values(per_block, offsets)
+        context_keys, context_values = self.keys_values(blocks.context, 0)
+        keys = mx.concatenate([context_keys, unblock(keys)], axis=2)
+        values = mx.concatenate([context_values, unblock(values)], axis=2)
+        output = mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=self.scale, mask=blocks.mask
+        )
+        output = output * blocks.keep
+        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(b, nB, -1))
+
     def __call__(self, x: mx.array, cache) -> mx.array:
+        if isinstance(cache, TrainingBlocks):
+            return self.attend_blocks(x, cache)
         B, L, _ = x.shape
         offset = cache.offset
         queries = self.queries(x, offset)
@@ -76,6 +124,19 @@ class DrafterModel(nn.Module):
         h = self.embed(tokens)
         for layer, c in zip(self.layers, cache):
             h = layer(h, c)
+        return self.norm(h)
+
+    def forward_blocks(self, block_ids, features, anchors, mask, keep) -> mx.array:
+        """The training forward (DeepSpec's ``_forward_backbone``): the blocks
+        ``block_ids`` (``[b, n·B]``) over the context ``features`` of every
+        position (``[b, S, m·d]``); see ``TrainingBlocks``. Returns the final-
+        normed hidden states ``[b, n·B, d]``."""
+        blocks = TrainingBlocks(
+            self.hidden_norm(self.fc(features)), anchors, mask, keep
+        )
+        h = self.embed(block_ids)
+        for layer in self.layers:
+            h = layer(h, blocks)
         return self.norm(h)
 
     def compute_logits(self, hidden: mx.array) -> mx.array:
