@@ -21,9 +21,10 @@ from mlx_dspark.batching.policy import (
     FixedPolicy,
     best_drafts,
     expected_tokens,
+    interpolate,
 )
 from mlx_dspark.cache import SlidingWindowKVCache
-from mlx_dspark.confidence.costs import RoundCosts
+from mlx_dspark.confidence.costs import RoundCosts, RoundTimer
 from mlx_dspark.spec.sampling import make_sampler
 from mlx_dspark.spec.stats import SpeculativeStats
 
@@ -348,3 +349,41 @@ def test_bad_num_draft_tokens_is_refused(drafts):
         SpeculativeBatchGenerator(model, drafter).insert(
             [[5, 6]], num_draft_tokens=[drafts]
         )
+
+
+def test_interpolated_costs_between_measured_batch_sizes():
+    measured = {
+        2: RoundCosts(draft=0.002, verify=[0.010, 0.012]),
+        4: RoundCosts(draft=0.004, verify=[0.014, 0.020]),
+    }
+    three = interpolate(measured, 3)
+    assert three.draft == pytest.approx(0.003)
+    assert three.verify == pytest.approx([0.012, 0.016])
+    assert interpolate(measured, 1) is measured[2]
+    assert interpolate(measured, 9) is measured[4]
+
+
+def test_the_cost_policy_measures_only_at_powers_of_two(monkeypatch, tmp_path):
+    """A batch that shrinks request by request (budgets 3 to 30) measures its
+    round costs at 5 (nothing known yet), 4, 2 and 1 sequences, and
+    interpolates the rest; outputs stay greedy whatever the costs."""
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    measured = []
+
+    def fake_measurement(timer):
+        measured.append(len(timer_batch()))
+        return RoundCosts(draft=0.001, verify=[0.01 * (1 + 0.1 * n) for n in range(5)])
+
+    model, drafter = trained("gemma4")
+    generator = SpeculativeBatchGenerator(model, drafter, prefill_batch_size=8)
+    timer_batch = lambda: generator._generation.sequences  # noqa: E731
+    monkeypatch.setattr(RoundTimer, "__call__", fake_measurement)
+    prompts = [[5 + i, 6, 7, 8] for i in range(5)]
+    budgets = [3, 9, 15, 22, 30]
+    tokens, _ = run(
+        generator, [(0, p, dict(max_tokens=[m])) for p, m in zip(prompts, budgets)]
+    )
+    for i, (p, m) in enumerate(zip(prompts, budgets)):
+        assert tokens[i] == plain_greedy(model, p, m)
+    assert set(measured) <= {5, 4, 2, 1} and 5 in measured
+    assert len(measured) == len(set(measured))  # once per size and depth bucket

@@ -42,7 +42,7 @@ from ..spec.engine import adapt_target
 from ..spec.stats import Round, SpeculativeStats
 from ..validation import check_num_draft_tokens
 from .cache import BatchRollbackKVCache
-from .policy import Acceptance, BatchPolicy
+from .policy import Acceptance, BatchPolicy, interpolate
 
 
 @dataclass
@@ -192,7 +192,7 @@ class SpeculativeBatchGenerator:
             for c in self.target.make_cache(self._max_rollback)
         ]
         self._num_draft_caches = len(drafter.make_cache())
-        self._profiles = {}
+        self._cost_profile = None
 
     @property
     def stream(self):
@@ -480,21 +480,29 @@ class SpeculativeBatchGenerator:
         return [min(k, c) for c in caps]
 
     def measured_costs(self, batch: int, depth: int) -> RoundCosts:
-        """A round's costs for the generating batch (of ``batch``
-        sequences) at ``depth``: measured on its live caches once per batch
-        size and depth bucket, then read from the profile on disk."""
-        if batch not in self._profiles:
+        """A round's costs for the generating batch (of ``batch`` sequences)
+        at ``depth``. They are measured on the live caches when the batch
+        size is a power of two (or nothing is known yet) and kept on disk per
+        size and depth bucket; other sizes interpolate between the sizes
+        measured, so a batch that shrinks request by request does not stop
+        to measure at every size."""
+        if self._cost_profile is None:
             timer = RoundTimer(
                 self.model,
                 self.drafter,
                 self.drafter.max_draft_tokens,
                 self._time_verify,
                 self._time_draft,
-                batch,
+                batch=0,  # one profile for every batch size, keyed by size
             )
-            self._profiles[batch] = (timer, CostProfile(profile_path(timer.key)))
-        timer, profile = self._profiles[batch]
-        return profile.costs(depth, timer)
+            self._cost_profile = (timer, CostProfile(profile_path(timer.key)))
+        timer, profile = self._cost_profile
+        measured = profile.measured_batches(depth, timer.drafts + 1)
+        if batch in measured:
+            return measured[batch]
+        if batch & (batch - 1) == 0 or not measured:
+            return profile.costs(depth, timer, batch)
+        return interpolate(measured, batch)
 
     def _anchors(self) -> mx.array:
         return mx.array([s.anchor for s in self._generation.sequences], mx.uint32)

@@ -56,6 +56,22 @@ class Acceptance:
         ]
 
 
+def interpolate(measured: dict, batch: int) -> RoundCosts:
+    """Round costs for ``batch`` sequences from those ``measured`` at other
+    batch sizes: linear between the nearest below and above, else the
+    nearest one."""
+    below = max((b for b in measured if b <= batch), default=None)
+    above = min((b for b in measured if b >= batch), default=None)
+    if below is None or above is None or below == above:
+        return measured[below if above is None else above]
+    t = (batch - below) / (above - below)
+    low, high = measured[below], measured[above]
+    return RoundCosts(
+        draft=(1 - t) * low.draft + t * high.draft,
+        verify=[(1 - t) * a + t * b for a, b in zip(low.verify, high.verify)],
+    )
+
+
 def expected_tokens(rates: Sequence[float], drafts: int) -> float:
     """Tokens a round of ``drafts`` drafts emits on average."""
     total, survive = 1.0, 1.0

@@ -177,11 +177,12 @@ class CostProfile:
             and 0 <= time.time() - measured_at <= self.max_age
         )
 
-    def costs(self, depth: int, timer: RoundTimer) -> RoundCosts:
-        """The costs at ``depth``, measured with ``timer`` when this profile
-        has none (or only stale or malformed ones) for its depth bucket."""
-        bucket = str(depth_bucket(depth))
-        entry = self.entries.get(bucket)
+    def costs(self, depth: int, timer: RoundTimer, batch: Optional[int] = None) -> RoundCosts:
+        """The costs at ``depth`` (for rounds of ``batch`` sequences, when the
+        profile is a batch generator's), measured with ``timer`` when this
+        profile has none (or only stale or malformed ones) for that bucket."""
+        key = _entry_key(depth, batch)
+        entry = self.entries.get(key)
         if not self._usable(entry, timer.drafts + 1):
             measured = timer()
             entry = dict(
@@ -190,9 +191,23 @@ class CostProfile:
                 depth=depth,
                 measured_at=time.time(),
             )
-            self.entries[bucket] = entry
+            self.entries[key] = entry
             self._write()
         return RoundCosts(entry["draft"], entry["verify"])
+
+    def measured_batches(self, depth: int, tokens: int) -> dict:
+        """``{batch: RoundCosts}`` of the usable batch entries at ``depth``."""
+        found = {}
+        for key, entry in self.entries.items():
+            batch, _, bucket = key.partition("x")
+            if bucket == str(depth_bucket(depth)) and self._usable(entry, tokens):
+                found[int(batch)] = RoundCosts(entry["draft"], entry["verify"])
+        return found
+
+
+def _entry_key(depth: int, batch: Optional[int]) -> str:
+    bucket = str(depth_bucket(depth))
+    return bucket if batch is None else f"{batch}x{bucket}"
 
 
 def profile_path(key: str) -> Path:
