@@ -387,3 +387,20 @@ def test_the_cost_policy_measures_only_at_powers_of_two(monkeypatch, tmp_path):
         assert tokens[i] == plain_greedy(model, p, m)
     assert set(measured) <= {5, 4, 2, 1} and 5 in measured
     assert len(measured) == len(set(measured))  # once per size and depth bucket
+
+
+def test_cost_profiles_are_found_again_whatever_memory_is_free(monkeypatch):
+    """A profile is kept per device, not per reading of its free memory (MLX's
+    CUDA backend reports it), or every process would measure again."""
+    model, drafter = trained("gemma4")
+    readings = iter(range(10))
+    monkeypatch.setattr(
+        mx,
+        "device_info",
+        lambda: {"device_name": "GPU", "memory_size": 1 << 30, "free_memory": next(readings)},
+    )
+
+    def key():
+        return RoundTimer(model, drafter, 4, None, None, batch=0).key
+
+    assert key() == key()

@@ -61,6 +61,14 @@ def model_fingerprint(model: nn.Module) -> dict:
     }
 
 
+def device_identity() -> dict:
+    """What identifies this machine's device in ``mx.device_info()``: its
+    static fields only (on CUDA it also reports free memory, which would
+    give every process a profile of its own)."""
+    info = mx.device_info()
+    return {k: info[k] for k in ("architecture", "device_name", "memory_size") if k in info}
+
+
 @dataclass
 class RoundTimer:
     """Times a round's parts on live caches, for rounds of ``drafts`` drafts.
@@ -86,7 +94,7 @@ class RoundTimer:
             "batch": self.batch,
             "mlx": mx.__version__,
             "device": str(mx.default_device()),
-            "device_info": mx.device_info(),
+            "device_info": device_identity(),
         }
         text = json.dumps(identity, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:20]
