@@ -497,7 +497,7 @@ class SpeculativeBatchGenerator:
             )
             self._cost_profile = (timer, CostProfile(profile_path(timer.key)))
         timer, profile = self._cost_profile
-        measured = profile.measured_batches(depth, timer.drafts + 1)
+        measured = profile.measured_batches(depth, timer.verify_rows)
         if batch in measured:
             return measured[batch]
         if batch & (batch - 1) == 0 or not measured:
