@@ -181,6 +181,32 @@ def test_the_clean_view_changes_drafts_not_output():
     assert [r.drafts for r in clean.history] != [r["drafts"] for r in oracle["rounds"]]
 
 
+def test_the_clean_view_is_the_targets_own_window_at_the_anchor():
+    """Every round, the clean view shows the sliding layer the ``W - 1``
+    positions before the anchor (the anchor's own query makes ``W``) and the
+    full layer every position before it."""
+    oracle, model = case("dense")
+    drafter = drafter_for("dense", kv_view="clean")
+    window = drafter.model.args.text.sliding_window
+    kv, views = drafter._kv, []
+
+    def recording(state, target_cache):
+        result = kv(state, target_cache)
+        keys, _, visible = result["sliding_attention"]
+        sliding = target_cache[drafter._target.kv_donors()["sliding_attention"]]
+        positions = np.array(sliding.slot_positions())[: keys.shape[2]]
+        full = result["full_attention"][0].shape[2]
+        views.append((state.offset, sorted(positions[np.array(visible[0])]), full))
+        return result
+
+    drafter._kv = recording
+    run(model, drafter, oracle["prompt"], 40)
+    assert len(views) > 5 and views[-1][0] > 2 * window
+    for anchor, sliding, full in views:
+        assert sliding == list(range(max(0, anchor - window + 1), anchor))
+        assert full == anchor
+
+
 def test_sampling_with_the_assistant():
     oracle, model = case("dense")
     drafter = drafter_for("dense")

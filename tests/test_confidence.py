@@ -31,6 +31,7 @@ from mlx_dspark.confidence.calibration import (
     expected_calibration_error,
     fit_sts,
     metrics,
+    predictions,
     sigmoid,
     survival,
 )
@@ -176,6 +177,22 @@ def test_sts_recovers_the_temperature_of_an_overconfident_head():
         assert a["ece"] < 0.02 < b["ece"]
         assert a["brier"] < b["brier"]
         assert a["auroc"] == pytest.approx(b["auroc"], abs=0.02)
+
+
+def test_each_position_gets_its_own_temperature():
+    """A head overconfident by a different factor at each position: the fit
+    recovers each one, and survival and predictions apply ``T_k`` to the
+    ``k``-th logit."""
+    true = [0.5, 3.0, 1.5]
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0.0, 3.0, size=(20_000, 3))
+    survives = rng.random(logits.shape) < sigmoid(logits / np.array(true))
+    rounds = Rounds(logits, np.full(len(logits), 3), np.cumprod(survives, 1).sum(1))
+    assert fit_sts(rounds) == pytest.approx(true, rel=0.15)
+    expected = np.cumprod(sigmoid(logits[:2] / np.array(true)), axis=1)
+    np.testing.assert_allclose(predictions(rounds.take(slice(0, 2)), true), expected)
+    np.testing.assert_allclose(survival(logits[0], true), expected[0])
+    np.testing.assert_allclose(survival(logits[0, :2], true), expected[0, :2])
 
 
 def test_positions_with_few_rounds_keep_their_temperature():
@@ -409,6 +426,8 @@ def test_threshold_scheduler_verifies_up_to_the_first_unconfident_draft():
     assert scheduler.choose([2.0, 0.1, -0.1, 3.0], 0, None) == 2
     assert scheduler.choose([-1.0, 2.0], 0, None) == 0
     assert scheduler.choose([1.0, 1.0], 0, None) == 2
+    # A confidence exactly at the threshold is confident (σ(0) == 0.5).
+    assert scheduler.choose([0.0, 0.0, -1e-6], 0, None) == 2
 
 
 class CountingTimer:

@@ -233,6 +233,27 @@ def test_any_draft_is_accepted_exactly_as_far_as_it_is_right(
         assert r.accepted == min(corrupt, r.proposed)
 
 
+@pytest.mark.parametrize("max_tokens", range(1, 13))
+def test_rounds_at_the_end_of_the_budget(max_tokens):
+    """With drafts that are always right, every round keeps all its drafts
+    and the target's bonus token after them, and drafts no more than what
+    can still be emitted besides that token."""
+    model = TINY_TARGETS["gemma4"](0)
+    prompt = [3, 14, 15]
+    reference = plain_greedy(model, prompt, max_tokens + 6)
+    drafter = ScriptedDrafter(reference, [99], 4)
+    drafter.prompt_length = len(prompt)
+    ours, stats = speculative(model, drafter, prompt, max_tokens)
+    assert ours == reference[:max_tokens]
+    emitted = 1
+    for r in stats.history:
+        assert r.proposed == len(r.drafts) == min(4, max_tokens - emitted - 1)
+        assert r.accepted == r.proposed
+        assert r.next_token == reference[emitted + r.accepted]
+        emitted += r.accepted + 1
+    assert emitted == max_tokens
+
+
 @given(
     seed=st.integers(0, 1000),
     prompt=st.lists(st.integers(0, 95), min_size=1, max_size=10),

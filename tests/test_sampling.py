@@ -9,6 +9,7 @@ deterministic; a correct implementation would fail one of them for a fraction
 
 import functools
 import itertools
+import math
 from collections import Counter
 
 import mlx.core as mx
@@ -24,6 +25,7 @@ from mlx_dspark.spec.sampling import mlx_lm_make_sampler
 
 import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
+from mlx_dspark.confidence.schedulers import ThresholdScheduler
 from mlx_dspark.spec.acceptance import inverse_cdf, rejection_accept, residual
 from mlx_dspark.spec.decoding import acceptance_rule
 from mlx_dspark.spec.sampling import SamplingSpec, make_sampler
@@ -99,6 +101,20 @@ def test_the_residual_is_a_distribution(data):
         np.testing.assert_allclose(
             r, np.maximum(p - q, 0) / np.maximum(p - q, 0).sum(), atol=1e-5
         )
+
+
+def test_a_rejection_draws_from_the_residual_of_its_own_position():
+    """Draft 0 is accepted (p_0 = q_0), draft 1 always rejected (p_1 = 0 at
+    it): the next token comes from ``normalize(max(p_1 - q_1, 0))``, which is
+    token 1 alone here, never from position 0's ``max(p_1 - q_0, 0)`` (token
+    0 alone)."""
+    q = mx.log(mx.array([[0.0, 0.5, 0.5], [0.5, 0.0, 0.5]]))
+    p = mx.log(mx.array([[0.0, 0.5, 0.5], [0.5, 0.5, 0.0], [1 / 3] * 3]))
+    for u_next in (0.0, 0.3, 0.6, 0.99):
+        accepted, tokens = rejection_accept(
+            mx.array([1, 2]), q, p, mx.array([0.5, 0.0, u_next])
+        )
+        assert accepted.item() == 1 and tokens[:2].tolist() == [1, 1]
 
 
 @given(distributions(), st.floats(0.999, 0.9999999))
@@ -311,6 +327,144 @@ def test_target_sample_matching_has_the_targets_distribution():
         goodness_of_fit(counts, exact_distribution(model, dict(temp=1.0), {}, 3))
         > ALPHA
     )
+
+
+def round_positions(stats, proposals, length, vocab):
+    """For each emitted token, its offset within its round and what the
+    drafter proposed at it (its distribution, or one-hot at an argmax draft;
+    ``None`` for the first token and the bonus tokens). Both depend only on
+    what came before the token: its round's earlier drafts were all
+    accepted, and drafts are proposed before any is verified."""
+    positions, proposals = [(0, None)], iter(proposals)
+    for r in stats.history:
+        q = next(proposals).log_probs if r.drafts else None
+        if q is not None:
+            q = np.exp(np.array(q, np.float64))
+        elif r.drafts:
+            q = np.eye(vocab)[r.drafts]
+        for j in range(r.accepted + (r.next_token is not None)):
+            positions.append((j, q[j] if j < r.proposed else None))
+    return positions[:length]
+
+
+def probability_integral_transforms(model, runs, positions, settings, processors):
+    """For every emitted token ``y``: ``P(Y before y) + v P(y)`` (``v``
+    uniform) under the target's exact distribution ``p`` given the emitted
+    prefix (the request's processors, then the sampler's settings), and a
+    cut. Where the drafter proposed ``q``, the vocabulary is ordered by
+    ``q - p`` (what the drafter over-proposes first) and the cut is the mass
+    ``p`` gives the over-proposed tokens; elsewhere it is ordered by ``p``
+    and there is no cut (``nan``)."""
+    history = mx.array([PROMPT + tokens for tokens in runs])
+    logits = model(history)[:, len(PROMPT) - 1 : -1]
+    if processors:
+        logits = mx.stack(
+            [
+                mx.concatenate(
+                    [
+                        functools.reduce(
+                            lambda row, f: f(history[r, : len(PROMPT) + i], row),
+                            processors,
+                            logits[r, i : i + 1],
+                        )
+                        for i in range(logits.shape[1])
+                    ]
+                )
+                for r in range(len(runs))
+            ]
+        )
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    probs = np.exp(np.array(SamplingSpec(**settings).log_probs(logprobs), np.float64))
+    rng = np.random.default_rng(0)
+    transforms, cuts = [], []
+    for tokens, p_run, q_run in zip(runs, probs, positions):
+        for y, p, (_, q) in zip(tokens, p_run, q_run):
+            order = np.argsort(-(p if q is None else q - p), kind="stable")
+            rank = np.argmax(order == y)
+            transforms.append(p[order[:rank]].sum() + rng.random() * p[y])
+            cuts.append(np.nan if q is None else p[q > p].sum())
+    return np.array(transforms), np.array(cuts)
+
+
+PIT = [
+    ("rejection", "none", None),
+    ("rejection", "biased", None),
+    ("rejection", "none", "threshold"),
+    ("match", "none", None),
+    ("match", "biased", "threshold"),
+]
+
+
+@pytest.mark.parametrize("rule,processors,scheduler", PIT, ids=map(str, PIT))
+def test_every_offset_of_a_round_has_the_targets_distribution(
+    rule, processors, scheduler, monkeypatch
+):
+    """Tokens at every offset within a round are distributed as the target's.
+
+    For each emitted token, its randomized probability integral transform
+    against the target's exact distribution given the emitted prefix is
+    i.i.d. uniform exactly when the output is lossless (for any order of the
+    vocabulary fixed before the token is drawn). The transforms are grouped
+    by the token's offset in its round (fixed before the token is drawn;
+    whether it was accepted is not, and would bias the groups), and each
+    group is tested for uniformity on deciles, and at the cut below which
+    lie the tokens the drafter over-proposes (where a wrong rejection
+    residual shows: rejections move mass across it). 24-token generations at
+    temperature 0.7 make rounds of up to four accepted drafts. Catches, among
+    others, a rejection residual drawn with another position's proposal (the
+    first draft's: a bias at offsets 1 and beyond only) and logits processors
+    left out at verified rows."""
+    model, drafter = tiny()
+    settings = dict(temp=0.7)
+    sampler = make_sampler(**settings)
+    if rule == "match":
+        sampler = mlx_lm_make_sampler(**settings)
+    processors = make_logits_processors(
+        **(biased_processors() if processors == "biased" else {})
+    )
+    if scheduler == "threshold":
+        scheduler = ThresholdScheduler(0.3)
+    proposals, propose = [], drafter.propose
+
+    def recording(*args, **kwargs):
+        proposals.append(propose(*args, **kwargs))
+        return proposals[-1]
+
+    monkeypatch.setattr(drafter, "propose", recording)
+    runs, positions = [], []
+    for seed in range(60):
+        mx.random.seed(seed)
+        stats = SpeculativeStats(drafter.name, drafter.block_size)
+        steps = speculative_generate_step(
+            mx.array(PROMPT),
+            model,
+            drafter,
+            max_tokens=24,
+            sampler=sampler,
+            logits_processors=processors,
+            stats=stats,
+            scheduler=scheduler,
+        )
+        runs.append([t for t, _, _ in steps])
+        positions.append(round_positions(stats, proposals, 24, model.args.vocab_size))
+        proposals.clear()
+    assert stats.acceptance_rule == rule
+    transforms, cuts = probability_integral_transforms(
+        model, runs, positions, settings, processors
+    )
+    offsets = np.minimum([j for run in positions for j, _ in run], 2)
+    for offset in range(3):
+        group = transforms[offsets == offset]
+        assert group.size > 100
+        deciles = Counter(np.minimum(group * 10, 9).astype(int).tolist())
+        assert goodness_of_fit(deciles, dict.fromkeys(range(10), 0.1)) > ALPHA
+        # Below the cut exactly as often as the cut says: a martingale
+        # (the cut is known before the token), two-sided z-test.
+        cut = cuts[offsets == offset]
+        below, cut = group[~np.isnan(cut)] < cut[~np.isnan(cut)], cut[~np.isnan(cut)]
+        z = (below - cut).sum() / np.sqrt((cut * (1 - cut)).sum())
+        assert offset == 0 or below.size > 50
+        assert math.erfc(abs(z) / math.sqrt(2)) > ALPHA
 
 
 def run_tokens(sampler, seed, max_tokens=24, processors=None):
