@@ -386,6 +386,13 @@ def probability_integral_transforms(model, runs, positions, settings, processors
     return np.array(transforms), np.array(cuts)
 
 
+def last_token_bias(tokens, logits):
+    """A logits processor that moves a seventh of the vocabulary, which one
+    depending on the last token: a change at every position, right only
+    with the right history."""
+    return logits + 2.0 * (mx.arange(logits.shape[-1]) % 7 == tokens[-1] % 7)
+
+
 PIT = [
     ("rejection", "none", None),
     ("rejection", "biased", None),
@@ -419,9 +426,7 @@ def test_every_offset_of_a_round_has_the_targets_distribution(
     sampler = make_sampler(**settings)
     if rule == "match":
         sampler = mlx_lm_make_sampler(**settings)
-    processors = make_logits_processors(
-        **(biased_processors() if processors == "biased" else {})
-    )
+    processors = [last_token_bias] if processors == "biased" else []
     if scheduler == "threshold":
         scheduler = ThresholdScheduler(0.3)
     proposals, propose = [], drafter.propose
