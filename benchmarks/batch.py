@@ -27,6 +27,7 @@ from mlx_lm.generate import BatchGenerator
 import mlx_dspark
 from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.batching.policy import BatchPolicy, FixedPolicy
+from mlx_dspark.progress import progress
 from mlx_dspark.spec.stats import SpeculativeStats
 
 import shapes
@@ -89,7 +90,7 @@ def main():
         speeds = {name: [] for name in generators}
         stats = {name: [] for name in generators if name != "plain"}
         order = list(generators)
-        for r in range(args.repeats + 1):
+        for r in progress(range(args.repeats + 1), desc=f"B={n}"):
             batch = prompts(n, args.context, vocab, r)
             for name in order if r % 2 else order[::-1]:
                 if name == "plain":

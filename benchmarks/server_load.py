@@ -25,6 +25,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from mlx_dspark.progress import progress
+
 TINY = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "deepspec-tiny"
 MODES = {
     "stock": [],
@@ -173,7 +175,7 @@ def main():
                 for mode, server in servers.items():  # warm the caches and shapes
                     wave(server, n, -1, args.max_tokens, args.prompt_words)
                 waves = {mode: [] for mode in servers}
-                for w in range(args.waves):
+                for w in progress(range(args.waves), desc=f"N={n}"):
                     order = list(servers) if w % 2 == 0 else list(servers)[::-1]
                     for mode in order:
                         waves[mode].append(

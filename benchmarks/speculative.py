@@ -34,7 +34,7 @@ from mlx_lm.generate import generate_step
 import mlx_dspark
 from mlx_dspark.doctor import conditional_for_tau
 from mlx_dspark.progress import progress
-from mlx_dspark.spec import decoding
+from mlx_dspark.spec import decoding, engine
 from mlx_dspark.spec.engine import adapt_target
 
 import shapes
@@ -98,6 +98,51 @@ def components(model, drafter, prompt, num_drafts):
     return seconds(verify), seconds(draft)
 
 
+def phases(model, drafter, prompt, max_tokens, num_drafts, scheduler=None):
+    """Milliseconds per round spent drafting, verifying and on the host (the
+    rest: graph building, acceptance, statistics), from one generation whose
+    drafts and verifies are each evaluated on the spot (so nothing overlaps:
+    the sum is a little above an ordinary round)."""
+    spent = {"draft": 0.0, "verify": 0.0}
+    adapt, propose = engine.adapt_target, drafter.propose
+
+    def timed(phase, fn):
+        def run(*args, **kwargs):
+            tic = time.perf_counter()
+            out = fn(*args, **kwargs)
+            mx.eval([x for x in vars(out).values() if isinstance(x, (mx.array, list))])
+            spent[phase] += time.perf_counter() - tic
+            return out
+
+        return run
+
+    def adapt_timed(*args):
+        target = adapt(*args)
+        forward = timed("verify", target.__call__)
+        return type("Timed", (), {"__call__": lambda _, *a: forward(*a),
+                                  "__getattr__": lambda _, n: getattr(target, n)})()
+
+    stats = mlx_dspark.SpeculativeStats(drafter.name, drafter.block_size)
+    steps = mlx_dspark.speculative_generate_step(
+        prompt, model, drafter, max_tokens=max_tokens, num_draft_tokens=num_drafts,
+        stats=stats, scheduler=scheduler,
+    )
+    engine.adapt_target, drafter.propose = adapt_timed, timed("draft", propose)
+    try:
+        next(steps)  # the prompt
+        spent["verify"] = 0.0
+        tic = time.perf_counter()
+        for _ in steps:
+            pass
+        total = time.perf_counter() - tic
+    finally:
+        engine.adapt_target = adapt
+        del drafter.propose
+    rounds = max(stats.rounds, 1)
+    spent["host"] = total - spent["draft"] - spent["verify"]
+    return {k: round(1000 * v / rounds, 3) for k, v in spent.items()}
+
+
 def generate(steps, repeats):
     """Tokens and median decoding throughput (tokens after the first over the
     time since the first: prompt processing excluded) of ``repeats`` runs of
@@ -113,7 +158,9 @@ def generate(steps, repeats):
     return tokens, statistics.median(speeds[1:])
 
 
-def measure(model, drafter, prompt, max_tokens, repeats, num_drafts=None, tau=None):
+def measure(
+    model, drafter, prompt, max_tokens, repeats, num_drafts=None, tau=None, scheduler=None
+):
     """Plain vs speculative decoding of ``prompt``, and the round's components.
     With ``tau``, acceptance is replayed (see ``replayed_acceptance``)."""
     num_drafts = num_drafts or drafter.block_size
@@ -132,6 +179,7 @@ def measure(model, drafter, prompt, max_tokens, repeats, num_drafts=None, tau=No
             max_tokens=max_tokens,
             num_draft_tokens=num_drafts,
             stats=stats,
+            scheduler=scheduler,
         )
 
     if tau is None:
@@ -141,6 +189,8 @@ def measure(model, drafter, prompt, max_tokens, repeats, num_drafts=None, tau=No
             spec_tokens, spec_tps = generate(speculative, repeats)
     t_verify, t_draft = components(model, drafter, prompt, num_drafts)
     t_decode = 1 / plain_tps
+    with replayed_acceptance(tau or 0, num_drafts) if tau else contextlib.nullcontext():
+        phase_ms = phases(model, drafter, prompt, max_tokens, num_drafts, scheduler)
     return {
         "plain_tok_s": round(plain_tps, 2),
         "spec_tok_s": round(spec_tps, 2),
@@ -154,6 +204,8 @@ def measure(model, drafter, prompt, max_tokens, repeats, num_drafts=None, tau=No
         "t_decode_ms": round(1000 * t_decode, 3),
         "t_verify_ms": round(1000 * t_verify, 3),
         "t_draft_ms": round(1000 * t_draft, 3),
+        "round_phase_ms": phase_ms,
+        "scheduler": stats.scheduler,
         "num_draft_tokens": num_drafts,
         "context": context,
         "max_tokens": max_tokens,
@@ -185,6 +237,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--num-draft-tokens", type=int)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scheduler", choices=["fixed", "cost"])
     args = parser.parse_args()
     if args.quick:
         args.max_tokens, args.repeats = 64, 1
@@ -221,6 +274,7 @@ def main():
         args.repeats,
         args.num_draft_tokens,
         tau,
+        args.scheduler,
     )
     result.update(
         drafter=args.drafter

@@ -16,13 +16,31 @@ def _normalized(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def providers(package: str = "mlx_dspark") -> list:
+    """The installed distributions that provide ``package``: by their files
+    or, installed in editable mode, by a ``.pth`` path to a directory that
+    holds it."""
+    import importlib.metadata
+    from pathlib import Path
+
+    names = set(importlib.metadata.packages_distributions().get(package, []))
+    for dist in importlib.metadata.distributions():
+        for file in dist.files or ():
+            if file.suffix != ".pth":
+                continue
+            try:
+                lines = file.read_text().splitlines()
+            except (OSError, UnicodeDecodeError):
+                continue
+            if any((Path(line.strip()) / package).is_dir() for line in lines):
+                names.add(dist.metadata["Name"])
+    return sorted(names)
+
+
 def other_providers() -> list:
     """The installed distributions other than this one that provide
     ``mlx_dspark``."""
-    from importlib.metadata import packages_distributions
-
-    providers = packages_distributions().get("mlx_dspark", ())
-    return sorted({p for p in providers if _normalized(p) != DISTRIBUTION})
+    return [p for p in providers() if _normalized(p) != DISTRIBUTION]
 
 
 @functools.cache

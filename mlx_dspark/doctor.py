@@ -17,11 +17,12 @@ survive: the speedup of rounds with no overhead beyond a draft and a verify
 """
 
 import argparse
-import importlib.metadata
 import json
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
+
+from .distribution import providers
 
 MAX_VERIFY = 32
 # DSpark on chat prompts, Gemma-4-12B, block 7: τ ≈ 3.3 (paper, Table 1).
@@ -113,24 +114,6 @@ def verdict(rows: List[dict]) -> dict:
             "decoding is faster on this machine."
         )
     return {"speculate": best["speedup"] >= WORTH_IT, "best": best, "line": line}
-
-
-def providers(package: str = "mlx_dspark") -> List[str]:
-    """The installed distributions that provide ``package``: by their files,
-    or, installed in editable mode, by a ``.pth`` path to a directory that
-    holds it."""
-    names = set(importlib.metadata.packages_distributions().get(package, []))
-    for dist in importlib.metadata.distributions():
-        for file in dist.files or ():
-            if file.suffix != ".pth":
-                continue
-            try:
-                lines = file.read_text().splitlines()
-            except (OSError, UnicodeDecodeError):
-                continue
-            if any((Path(line.strip()) / package).is_dir() for line in lines):
-                names.add(dist.metadata["Name"])
-    return sorted(names)
 
 
 def check_install() -> dict:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from mlx_dspark import doctor
-from mlx_dspark.doctor import estimate, main, providers, typical_survival, verdict
+from mlx_dspark.distribution import DISTRIBUTION, providers
+from mlx_dspark.doctor import estimate, main, typical_survival, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "fixtures" / "deepspec-tiny"
@@ -43,7 +44,7 @@ def test_doctor_reports_install_pair_costs_and_consistent_estimates():
 
     install = report["install"]
     assert install["mlx_lm_supported"] and install["activation"] and install["patched"]
-    assert install["distributions"] == ["mlx-dspark"] and not install["problems"]
+    assert install["distributions"] == [DISTRIBUTION] and not install["problems"]
     assert "deepspec-gemma4" in install["drafter_kinds"]
 
     drafter = report["pair"]["drafter"]
@@ -153,6 +154,6 @@ def test_a_second_distribution_providing_the_package_is_found(tmp_path, monkeypa
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: other-dspark\n")
     (info / "RECORD").write_text("mlx_dspark/__init__.py,,\n")
-    assert providers() == ["mlx-dspark"]
+    assert providers() == [DISTRIBUTION]
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert providers() == ["mlx-dspark", "other-dspark"]
+    assert providers() == [DISTRIBUTION, "other-dspark"]

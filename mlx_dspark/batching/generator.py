@@ -497,7 +497,7 @@ class SpeculativeBatchGenerator:
             )
             self._cost_profile = (timer, CostProfile(profile_path(timer.key)))
         timer, profile = self._cost_profile
-        measured = profile.measured_batches(depth, timer.drafts + 1)
+        measured = profile.measured_batches(depth, timer.verify_rows)
         if batch in measured:
             return measured[batch]
         if batch & (batch - 1) == 0 or not measured:
@@ -604,7 +604,9 @@ class SpeculativeBatchGenerator:
                 drafts[b, :n], draft_log_probs, logits[b, : n + 1], contexts[b],
                 sequences[b].num_draft_tokens + 1,
             )
-        mx.eval(group[1:] if greedy else [], [v[1:] for v in lazy.values()], drafts)
+        # The statistics read the drafts and confidences: one evaluation.
+        confidence = proposal.confidence if k else None
+        mx.eval(group[1:] if greedy else [], [v[1:] for v in lazy.values()], drafts, confidence)
         if greedy:
             log_probs, accepted, tokens = group
             for i, (a, t) in enumerate(zip(accepted.tolist(), tokens.tolist())):

@@ -39,6 +39,27 @@ class RoundCosts:
         """Rounds per second when a round verifies ``tokens`` tokens."""
         return 1.0 / (self.draft + self.verify[tokens - 1])
 
+    def cheapest_rows(self, tokens: int) -> int:
+        """The row count, at least ``tokens``, whose verify is cheapest (the
+        fewest among equals): where the device switches kernels by row count,
+        more rows can cost less."""
+        rows = range(tokens, len(self.verify) + 1)
+        return min(rows, key=lambda n: (self.verify[n - 1], n), default=tokens)
+
+    def padded(self) -> "RoundCosts":
+        """These costs when every verify runs at its cheapest row count."""
+        return RoundCosts(
+            self.draft,
+            [self.verify[self.cheapest_rows(n) - 1] for n in range(1, len(self.verify) + 1)],
+        )
+
+
+def verify_rows(drafts: int) -> int:
+    """Rows a cost-aware round may verify with ``drafts`` drafts (padding
+    included), so the verify costs measured reach past the kernel switches
+    seen at 8 rows (docs/confidence-scheduling.md)."""
+    return max(drafts + 1, 16)
+
 
 def depth_bucket(depth: int) -> int:
     """Context depths that share a measurement: powers of two from 512."""
@@ -84,6 +105,11 @@ class RoundTimer:
     verify: Callable[[int], Any]
     draft: Callable[[], Any]
     batch: int = 1  # sequences per round (``verify(n)`` runs batch x n rows)
+    rows: Optional[int] = None  # verifies measured: 1..rows (default drafts + 1)
+
+    @property
+    def verify_rows(self) -> int:
+        return self.rows or self.drafts + 1
 
     @cached_property
     def key(self) -> str:
@@ -92,6 +118,7 @@ class RoundTimer:
             "drafter": getattr(self.drafter, "fingerprint", repr(self.drafter)),
             "drafts": self.drafts,
             "batch": self.batch,
+            **({"rows": self.rows} if self.rows else {}),
             "mlx": mx.__version__,
             "device": str(mx.default_device()),
             "device_info": device_identity(),
@@ -101,8 +128,8 @@ class RoundTimer:
 
     def __call__(self, tokens: Optional[Iterable[int]] = None) -> RoundCosts:
         """Costs of a draft and of verifying ``1, 2, ...`` tokens (by default
-        up to ``drafts + 1``; ``tokens`` must count up from 1)."""
-        tokens = range(1, self.drafts + 2) if tokens is None else tokens
+        up to ``verify_rows``; ``tokens`` must count up from 1)."""
+        tokens = range(1, self.verify_rows + 1) if tokens is None else tokens
         return RoundCosts(
             draft=median_seconds(self.draft),
             verify=[median_seconds(partial(self.verify, n)) for n in tokens],
@@ -121,10 +148,11 @@ def median_seconds(fn: Callable[[], Any]) -> float:
 
 
 def live_timer(
-    model, drafter, target, target_cache, draft_cache, drafts, anchor
+    model, drafter, target, target_cache, draft_cache, drafts, anchor, rows=None
 ) -> RoundTimer:
-    """A ``RoundTimer`` on one sequence's live caches: verifies repeat the
-    current ``anchor()`` and are rolled back, drafts propose ``drafts``."""
+    """A ``RoundTimer`` on one sequence's live caches: verifies (of up to
+    ``rows`` tokens) repeat the current ``anchor()`` and are rolled back,
+    drafts propose ``drafts``."""
 
     def verify(n):
         tokens = mx.repeat(anchor().reshape(1), n)[None]
@@ -139,7 +167,7 @@ def live_timer(
         )
         return proposal.tokens, proposal.confidence
 
-    return RoundTimer(model, drafter, drafts, verify, draft)
+    return RoundTimer(model, drafter, drafts, verify, draft, rows=rows)
 
 
 class CostProfile:
@@ -191,7 +219,7 @@ class CostProfile:
         profile has none (or only stale or malformed ones) for that bucket."""
         key = _entry_key(depth, batch)
         entry = self.entries.get(key)
-        if not self._usable(entry, timer.drafts + 1):
+        if not self._usable(entry, timer.verify_rows):
             measured = timer()
             entry = dict(
                 draft=measured.draft,

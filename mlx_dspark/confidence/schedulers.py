@@ -5,7 +5,10 @@
   a threshold (DeepSpec's ``--confidence-threshold``);
 - ``cost``: the paper's hardware-aware prefix scheduler (Algorithm 1), which
   maximises expected tokens per second against the measured cost of a round on
-  this machine, with the calibrated confidences.
+  this machine, with the calibrated confidences. For every drafter, with a
+  confidence head or without, the engine then also verifies at the cheapest
+  row count, chooses each round's drafts from the recent acceptance by
+  position and parks speculation when it does not pay (``spec.pacing``).
 
 Every rule is lossless: verifying any prefix of the drafts is. Under sampling
 a rule must also be *causal* (paper Appendix A): whether draft k is verified
@@ -18,7 +21,7 @@ import warnings
 from typing import Callable, List, Optional, Sequence
 
 from .calibration import Calibration, sigmoid, survival
-from .costs import CostProfile, RoundTimer, profile_path
+from .costs import CostProfile, RoundCosts, RoundTimer, profile_path
 
 
 def prefix_schedule(
@@ -94,13 +97,17 @@ class ThresholdScheduler:
 
 class CostScheduler:
     """Algorithm 1 for one request, with the round's measured costs: the
-    verify of ``1 + ℓ`` tokens plus the draft, at the current depth."""
+    verify of ``1 + ℓ`` tokens (at its cheapest row count) plus the draft, at
+    the current depth. Without ``temperatures`` (a drafter without a
+    confidence head) every draft the engine's pacing asks for is verified."""
 
     name = "cost"
-    needs_confidence = True
 
-    def __init__(self, temperatures: Sequence[float], cache_profiles: bool = True):
-        self.temperatures = list(temperatures)
+    def __init__(
+        self, temperatures: Optional[Sequence[float]], cache_profiles: bool = True
+    ):
+        self.temperatures = None if temperatures is None else list(temperatures)
+        self.needs_confidence = temperatures is not None
         self.cache_profiles = cache_profiles
         self.profiles = {}
 
@@ -110,8 +117,13 @@ class CostScheduler:
             self.profiles[timer.key] = CostProfile(path)
         return self.profiles[timer.key]
 
+    def costs(self, depth: int, timer: RoundTimer) -> RoundCosts:
+        """The measured costs at ``depth``, every verify padded to its
+        cheapest row count."""
+        return self.profile(timer).costs(depth, timer).padded()
+
     def choose(self, logits: List[float], depth: int, timer: RoundTimer) -> int:
-        costs = self.profile(timer).costs(depth, timer)
+        costs = self.costs(depth, timer)
         [length] = prefix_schedule(
             [survival(logits, self.temperatures)], costs.rounds_per_second
         )
@@ -137,10 +149,10 @@ def make_scheduler(
         raise ValueError(
             f"scheduler must be one of {', '.join(SCHEDULERS)}, got {name!r}."
         )
-    if name != "fixed" and not has_confidence:
+    if name == "threshold" and not has_confidence:
         raise ValueError(
             f"{where} has no confidence head (a DFlash drafter), so it cannot use "
-            f"the {name} scheduler; use the fixed one (and confidence_threshold 0)."
+            "the threshold scheduler; use fixed or cost (and confidence_threshold 0)."
         )
     if name == "threshold" and threshold <= 0:
         raise ValueError(
@@ -156,6 +168,8 @@ def make_scheduler(
         return FixedScheduler()
     if name == "threshold":
         return ThresholdScheduler(threshold)
+    if not has_confidence:
+        return CostScheduler(None)
     if calibration is None:
         warnings.warn(
             f"The cost scheduler is using {where}'s uncalibrated confidences; "

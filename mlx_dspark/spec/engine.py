@@ -20,7 +20,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from ..cache import SlidingWindowKVCache
 from ..confidence.calibration import survival
-from ..confidence.costs import live_timer
+from ..confidence.costs import live_timer, verify_rows
 from ..confidence.schedulers import scheduler_for
 from ..drafters.base import Proposal
 from ..plugins import find_target_adapter
@@ -34,6 +34,7 @@ from ..validation import (
     check_prompt,
 )
 from .decoding import Decoding
+from .pacing import pacing_for
 from .stats import Round, SpeculativeStats
 
 
@@ -47,12 +48,12 @@ def adapt_target(model: nn.Module, drafter):
 def make_prompt_cache(model: nn.Module, drafter) -> List[Any]:
     """The target's rollback-capable caches followed by the drafter's state."""
     target = adapt_target(model, drafter)
-    return target.make_cache(drafter.block_size + 1) + drafter.make_cache()
+    return target.make_cache(verify_rows(drafter.block_size)) + drafter.make_cache()
 
 
-def _split_prompt_cache(prompt_cache, target, drafter, num_draft_tokens):
+def _split_prompt_cache(prompt_cache, target, drafter, num_draft_tokens, rows):
     if prompt_cache is None:
-        return target.make_cache(num_draft_tokens + 1), drafter.make_cache()
+        return target.make_cache(rows), drafter.make_cache()
     num_draft = len(drafter.make_cache())
     target_cache, draft_cache = prompt_cache[:-num_draft], prompt_cache[-num_draft:]
     if any(isinstance(c, RotatingKVCache) for c in target_cache):
@@ -85,6 +86,14 @@ def _split_prompt_cache(prompt_cache, target, drafter, num_draft_tokens):
             "outside mlx-dspark. Make a new one with mlx_dspark.make_prompt_cache."
         )
     return target_cache, draft_cache
+
+
+def _rollback_capacity(target_cache, rows: int) -> int:
+    """The most rows a verify may have: what every cache can roll back."""
+    return min(
+        [c.max_rollback for c in target_cache if isinstance(c, SlidingWindowKVCache)],
+        default=rows,
+    )
 
 
 def _check_options(kv_bits):
@@ -172,9 +181,15 @@ def speculative_generate_step(
     check_processors(logits_processors)
     target = adapt_target(model, drafter)
     prompt = check_prompt(prompt, target.vocab_size)
+    scheduler = scheduler_for(scheduler, drafter)
+    # Padded verifies need rows to pad into (and measured costs for them).
+    rows = num_draft_tokens + 1
+    if scheduler.name == "cost":
+        rows = verify_rows(num_draft_tokens)
     target_cache, draft_cache = _split_prompt_cache(
-        prompt_cache, target, drafter, num_draft_tokens
+        prompt_cache, target, drafter, num_draft_tokens, rows
     )
+    rows = min(rows, _rollback_capacity(target_cache, rows))
     decoding = Decoding(sampler, tuple(logits_processors or ()))
     rule, spec = decoding.rule, decoding.spec
     if stats is None:
@@ -182,7 +197,6 @@ def speculative_generate_step(
     stats.acceptance_rule = rule
     stop_tokens = set(stop_tokens)
     taps = drafter.taps
-    scheduler = scheduler_for(scheduler, drafter)
     stats.scheduler = scheduler.name
     calibration = getattr(drafter, "calibration", None)
     temperatures = calibration.temperatures if calibration else None
@@ -203,7 +217,9 @@ def speculative_generate_step(
         draft_cache,
         num_draft_tokens,
         lambda: anchor,
+        rows,
     )
+    pacing = pacing_for(scheduler, timer, num_draft_tokens)
 
     def settle(first_position, yielded_tokens):
         """Leave the caches holding the prompt and every yielded token."""
@@ -247,6 +263,7 @@ def speculative_generate_step(
                 num_drafts = num_draft_tokens
                 if max_tokens > 0:
                     num_drafts = min(num_drafts, max_tokens - len(yielded) - 1)
+                num_drafts = pacing.drafts(num_drafts, start)
                 if num_drafts == 0:
                     proposal = Proposal(tokens=mx.array([], mx.uint32))
                 else:
@@ -267,11 +284,15 @@ def speculative_generate_step(
                     mx.async_eval(proposal.tokens)
 
                 drafts = proposal.tokens[:num_verify]
-                out = forward(mx.concatenate([anchor.reshape(1), drafts]))
+                padding = pacing.rows(num_verify + 1, start) - num_verify - 1
+                rows_in = [anchor.reshape(1), drafts]
+                if padding:
+                    rows_in.append(mx.repeat(anchor.reshape(1), padding))
+                out = forward(mx.concatenate(rows_in))
                 log_probs, accepted, tokens = decoding.judge(
                     drafts,
                     proposal.log_probs,
-                    out.logits[0],
+                    out.logits[0, : num_verify + 1],
                     context,
                     num_draft_tokens + 1,
                 )
@@ -288,7 +309,8 @@ def speculative_generate_step(
                         break
 
                 for c in target_cache:
-                    c.trim(num_verify - accepted)
+                    c.trim(num_verify + padding - accepted)
+                pacing.update(verified, accepted)
                 drafter.commit(draft_cache, [h[:, : accepted + 1] for h in out.hidden])
                 confidence = predicted = None
                 if proposal.confidence is not None:

@@ -1,0 +1,151 @@
+"""The cost scheduler's pacing of a single stream: padded verifies, parking
+and adaptive drafts, on injected cost curves (never this machine's speed)."""
+
+import mlx.core as mx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mlx_dspark
+from mlx_dspark import SpeculativeStats, speculative_generate_step
+from mlx_dspark.batching.policy import REPROBE_EVERY
+from mlx_dspark.confidence.costs import RoundCosts
+from mlx_dspark.spec import engine
+from mlx_dspark.spec.pacing import Pacing
+
+from chisquare import goodness_of_fit
+from test_assistant import case, drafter_for
+from test_confidence import TableCostScheduler
+from test_lossless import plain_greedy, speculative, trained
+from test_sampling import ALPHA, PROMPT, exact_distribution, sample_runs
+
+# The 4-bit Gemma-4-12B target on an H200 (issue #14, ms): 7 rows cost
+# twice as much as 8.
+FOUR_BIT = [
+    x / 1000
+    for x in [14.3, 23.2, 29.5, 39.3, 43.3, 50.1, 56.1, 29.2]
+    + [29.3, 29.5, 29.8, 30.2, 30.3, 30.3, 30.4, 30.4]
+]
+
+
+def test_a_jagged_curve_pads_and_parks():
+    costs = RoundCosts(0.004, FOUR_BIT)
+    assert [costs.cheapest_rows(n) for n in (1, 2, 3, 7, 8, 9)] == [1, 2, 8, 8, 8, 9]
+    assert costs.padded().verify[:8] == FOUR_BIT[:2] + [FOUR_BIT[7]] * 6
+    scheduler = TableCostScheduler(None, 0.004, FOUR_BIT)
+    assert not scheduler.needs_confidence
+    pacing = Pacing(scheduler, None, 6)
+    assert pacing.rows(7, 2048) == 8
+    # The assistant's 6 drafts at chat-like acceptance (0.7 a draft) pay
+    # when verified as 8 rows (29 ms); the 7 rows' 56 ms would park.
+    for _ in range(40):
+        pacing.update(6, [2, 1, 3, 6, 0, 1, 2, 3, 0, 4][_ % 10])
+    assert pacing.drafts(6, 2048) == 6
+    # Nothing accepted: plain decoding, with a probe every REPROBE_EVERY rounds.
+    for _ in range(40):
+        pacing.update(6, 0)
+    choices = [pacing.drafts(6, 2048) for _ in range(2 * REPROBE_EVERY)]
+    assert choices.count(0) == 2 * REPROBE_EVERY - 2 and max(choices) > 0
+    # Without padding, the same good acceptance parks.
+    unpadded = Pacing(TableCostScheduler(None, 0.004, FOUR_BIT), None, 6)
+    unpadded.scheduler.costs = lambda depth, timer: RoundCosts(0.004, FOUR_BIT)
+    for _ in range(40):
+        unpadded.update(6, [2, 1, 3, 6, 0, 1, 2, 3, 0, 4][_ % 10])
+    assert unpadded.drafts(6, 2048) == 0
+
+
+def verify_rows_seen(monkeypatch):
+    """The row counts of the target's forwards, as the engine runs them."""
+    seen, adapt = [], engine.adapt_target
+
+    class Spy:
+        def __init__(self, target):
+            self.target = target
+
+        def __getattr__(self, name):
+            return getattr(self.target, name)
+
+        def __call__(self, tokens, *args):
+            seen.append(tokens.shape[1])
+            return self.target(tokens, *args)
+
+    monkeypatch.setattr(engine, "adapt_target", lambda *a: Spy(adapt(*a)))
+    return seen
+
+
+# 5 rows (4 drafts) cost more than 8: every speculative round pads to 8.
+JAGGED = [0.010, 0.020, 0.030, 0.040, 0.050, 0.060, 0.070] + [0.015] * 9
+
+
+def test_the_engine_verifies_at_the_cheapest_row_count(monkeypatch):
+    model, drafter = trained("gemma4", "dflash")
+    seen = verify_rows_seen(monkeypatch)
+    prompt = [65, 211, 266, 241, 234, 10, 325, 168]
+    ours, stats = speculative(
+        model, drafter, prompt, 40, scheduler=TableCostScheduler(None, 0.001, JAGGED)
+    )
+    assert ours == plain_greedy(model, prompt, 40)
+    rounds = seen[2:]  # after the prompt's two forwards
+    assert len(rounds) == stats.rounds
+    assert [n for n, r in zip(rounds, stats.history) if r.proposed] == [8] * sum(
+        1 for r in stats.history if r.proposed
+    )
+    assert {n for n, r in zip(rounds, stats.history) if not r.proposed} <= {1}
+    assert any(r.proposed for r in stats.history)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "assistant"])
+@given(
+    prompt=st.lists(st.integers(5, 400), min_size=1, max_size=20),
+    max_tokens=st.integers(1, 48),
+    num_draft_tokens=st.integers(1, 4),
+    draft=st.floats(0.0001, 0.02),
+    verify=st.lists(st.floats(0.001, 0.05), min_size=16, max_size=16),
+)
+def test_every_pacing_is_lossless(kind, prompt, max_tokens, num_draft_tokens, draft, verify):
+    """Random cost curves (so padding, parking and every number of drafts)
+    over prompts and lengths that cross the sliding window."""
+    if kind == "assistant":
+        _, model = case("dense")
+        drafter = drafter_for("dense")
+    else:
+        model, drafter = trained("gemma4", kind)
+    temperatures = [1.0] * 4 if kind == "dspark" else None
+    scheduler = TableCostScheduler(temperatures, draft, verify)
+    ours, _ = speculative(
+        model,
+        drafter,
+        prompt,
+        max_tokens,
+        num_draft_tokens=num_draft_tokens,
+        scheduler=scheduler,
+    )
+    assert ours == plain_greedy(model, prompt, max_tokens)
+
+
+@pytest.mark.parametrize(
+    "name, draft, verify", [("padded", 0.001, JAGGED), ("parked", 0.05, JAGGED)]
+)
+def test_paced_sampling_keeps_the_targets_distribution(name, draft, verify):
+    model, drafter = trained("gemma4", "dflash")
+    sampler = mlx_dspark.make_sampler(temp=1.0)
+    stats = SpeculativeStats(drafter.name, drafter.block_size)
+
+    def sample():
+        steps = speculative_generate_step(
+            mx.array(PROMPT),
+            model,
+            drafter,
+            max_tokens=6,
+            sampler=sampler,
+            stats=stats,
+            scheduler=TableCostScheduler(None, draft, verify),
+        )
+        return [t for t, _, _ in steps][:3]
+
+    counts = sample_runs(sample, 600, 3)
+    drafted = sum(r.proposed for r in stats.history)
+    assert stats.acceptance_rule == "rejection"
+    assert (drafted > 0) == (name == "padded")
+    expected = exact_distribution(model, {"temp": 1.0}, {}, 3)
+    assert goodness_of_fit(counts, expected) > ALPHA
