@@ -17,10 +17,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 
 import mlx_dspark
-from mlx_dspark import SpeculativeStats, speculative_generate_step
+from mlx_dspark import SpeculativeStats
 from mlx_dspark.confidence.calibration import (
     GRID,
     Calibration,
@@ -45,7 +44,7 @@ from mlx_dspark.spec.acceptance import rejection_accept
 
 from chisquare import goodness_of_fit
 from conftest import DEEPSPEC_TINY
-from tiny import gemma4_text_args, tiny_dspark, tiny_gemma4
+from tiny import gemma4_text_args, plain_greedy, speculative, tiny_dspark, tiny_gemma4
 
 DSPARK = DEEPSPEC_TINY / "dspark_tiny_gemma4_block4"
 DFLASH = DEEPSPEC_TINY / "dflash_tiny_gemma4_block4"
@@ -521,18 +520,6 @@ class RandomScheduler:
         return self.chosen[-1]
 
 
-def plain_greedy(model, prompt, max_tokens):
-    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
-
-
-def speculative(model, drafter, prompt, max_tokens, **kwargs):
-    stats = SpeculativeStats(drafter.name, drafter.block_size)
-    steps = speculative_generate_step(
-        mx.array(prompt), model, drafter, max_tokens=max_tokens, stats=stats, **kwargs
-    )
-    return [t for t, _, _ in steps], stats
-
-
 @given(
     seed=st.integers(0, 10_000),
     block_size=st.integers(1, 6),
@@ -648,19 +635,13 @@ def test_scheduled_sampling_keeps_the_targets_distribution(
     sampler = mlx_dspark.make_sampler(temp=1.0)
     stats = SpeculativeStats(drafter.name, drafter.block_size)
 
-    def sample():
-        steps = speculative_generate_step(
-            mx.array(SAMPLING_PROMPT),
-            model,
-            drafter,
-            max_tokens=6,
-            sampler=sampler,
-            stats=stats,
-            scheduler=scheduler,
-        )
-        return [t for t, _, _ in steps][:3]
-
-    counts = sample_runs(sample, 600, 3)
+    counts = sample_runs(
+        lambda: speculative(
+            model, drafter, SAMPLING_PROMPT, 6, stats, sampler=sampler, scheduler=scheduler
+        )[0],
+        600,
+        3,
+    )
     verified = [r.proposed for r in stats.history if r.drafts]
     assert stats.acceptance_rule == "rejection" and len(set(verified)) > 1
     expected = exact_distribution(model, {"temp": 1.0}, {}, 3)

@@ -32,6 +32,7 @@ from mlx_dspark.spec.sampling import SamplingSpec, make_sampler
 
 from chisquare import goodness_of_fit
 from conftest import DEEPSPEC_TINY
+from tiny import speculative
 
 ALPHA = 1e-4
 
@@ -260,22 +261,11 @@ def test_speculative_sampling_has_the_targets_distribution(name, settings, proce
     model, drafter = tiny()
     sampler = make_sampler(**settings)
     stats = SpeculativeStats(drafter.name, drafter.block_size)
-    if processors == "biased":
-        processors = biased_processors()
-
-    def speculative():
-        steps = speculative_generate_step(
-            mx.array(PROMPT),
-            model,
-            drafter,
-            max_tokens=3,
-            sampler=sampler,
-            logits_processors=make_logits_processors(**processors),
-            stats=stats,
-        )
-        return [t for t, _, _ in steps]
-
-    counts = sample_runs(speculative, 600, 3)
+    processors = biased_processors() if processors == "biased" else processors
+    kwargs = dict(sampler=sampler, logits_processors=make_logits_processors(**processors))
+    counts = sample_runs(
+        lambda: speculative(model, drafter, PROMPT, 3, stats, **kwargs)[0], 600, 3
+    )
     assert stats.acceptance_rule == "rejection" and stats.accepted > 0
     expected = exact_distribution(model, settings, processors, 3)
     assert goodness_of_fit(counts, expected) > ALPHA
@@ -310,18 +300,12 @@ def test_target_sample_matching_has_the_targets_distribution():
     mlx_lm_sampler = mlx_lm_make_sampler(temp=1.0)
     stats = SpeculativeStats(drafter.name, drafter.block_size)
 
-    def speculative():
-        steps = speculative_generate_step(
-            mx.array(PROMPT),
-            model,
-            drafter,
-            max_tokens=3,
-            sampler=mlx_lm_sampler,
-            stats=stats,
-        )
-        return [t for t, _, _ in steps]
-
-    counts = sample_runs(speculative, 600, 3, seed=2)
+    counts = sample_runs(
+        lambda: speculative(model, drafter, PROMPT, 3, stats, sampler=mlx_lm_sampler)[0],
+        600,
+        3,
+        seed=2,
+    )
     assert stats.acceptance_rule == "match" and stats.accepted > 0
     assert (
         goodness_of_fit(counts, exact_distribution(model, dict(temp=1.0), {}, 3))
@@ -439,18 +423,16 @@ def test_every_offset_of_a_round_has_the_targets_distribution(
     runs, positions = [], []
     for seed in range(60):
         mx.random.seed(seed)
-        stats = SpeculativeStats(drafter.name, drafter.block_size)
-        steps = speculative_generate_step(
-            mx.array(PROMPT),
+        tokens, stats = speculative(
             model,
             drafter,
-            max_tokens=24,
+            PROMPT,
+            24,
             sampler=sampler,
             logits_processors=processors,
-            stats=stats,
             scheduler=scheduler,
         )
-        runs.append([t for t, _, _ in steps])
+        runs.append(tokens)
         positions.append(round_positions(stats, proposals, 24, model.args.vocab_size))
         proposals.clear()
     assert stats.acceptance_rule == rule
