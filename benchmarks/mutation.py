@@ -140,6 +140,9 @@ MUTANTS = [
         "return mx.where(mass > 1e-8, r / mx.maximum(mass, 1e-30), p)",
         "return mx.where(mass > 1e-8, r / mx.maximum(mass, 1e-30), q)",
         ("tests/test_sampling.py", "-k", "residual or accepted or emitted"),
+        equivalent="the fallback is taken only where p <= q everywhere, that is "
+        "p == q up to rounding, so q is p there; and a draft from q == p is always "
+        "accepted, so no residual is drawn at all.",
     ),
     # Per-sequence decoding.
     Mutant(
@@ -147,7 +150,7 @@ MUTANTS = [
         SPEC + "decoding.py",
         "history = mx.concatenate([context, *drafted]) if self.processors else None",
         "history = context if self.processors else None",
-        ("tests/test_sampling.py", "-k", "every_offset and biased"),
+        ("tests/test_sampling.py", "-k", "drafts_so_far or every_offset and biased"),
     ),
     Mutant(
         "verify processors see the token they score",
@@ -167,8 +170,8 @@ MUTANTS = [
     Mutant(
         "target cache keeps one rejected draft",
         SPEC + "engine.py",
-        "c.trim(num_verify - accepted)",
-        "c.trim(max(num_verify - accepted - 1, 0))",
+        "c.trim(num_verify + padding - accepted)",
+        "c.trim(max(num_verify + padding - accepted - 1, 0))",
         ("tests/test_lossless.py", "-k", "any_draft"),
     ),
     Mutant(
@@ -176,7 +179,7 @@ MUTANTS = [
         SPEC + "engine.py",
         "[h[:, : accepted + 1] for h in out.hidden]",
         "[h[:, : accepted + 2] for h in out.hidden]",
-        ("tests/test_lossless.py", "-k", "trained_pairs"),
+        ("tests/test_oracle_deepspec.py", "-k", "every_round"),
     ),
     Mutant(
         "settled prompt cache one token long",
@@ -191,7 +194,7 @@ MUTANTS = [
         "mlx_dspark/batching/generator.py",
         "min(s.num_draft_tokens, s.remaining - 1)",
         "min(s.num_draft_tokens, s.remaining)",
-        ("tests/test_batching.py",),
+        ("tests/test_batching.py", "-k", "alone"),
     ),
     Mutant(
         "batch rows roll back one token short",
@@ -205,7 +208,7 @@ MUTANTS = [
         "mlx_dspark/batching/generator.py",
         "kept = min(accepted, len(emitted))",
         "kept = accepted",
-        ("tests/test_batching.py",),
+        ("tests/test_batching.py", "-k", "alone"),
     ),
     Mutant(
         "batch cache cursor reuses slots a row still holds",

@@ -266,15 +266,17 @@ def test_stop_token_inside_accepted_drafts_ends_the_round_there(
     assert 1 + sum(r.acceptance_length for r in stats.history) >= len(ours)
 
 
-def test_stop_token_round_statistics(tiny_pair):
-    """A stop token at the second draft: the round verified and accepted
+@pytest.mark.parametrize("wrong_at", [99, 2])
+def test_stop_token_round_statistics(tiny_pair, wrong_at):
+    """A stop token at the second draft (followed by right drafts, or the
+    last one accepted before a wrong one): the round verified and accepted
     exactly two drafts and has no target token."""
     model = tiny_pair[0]
     prompt = [65, 211, 266, 241, 234]
     reference = plain_greedy(model, prompt, 12)
     # The first round drafts reference[1:5]; make reference[2] the stop token.
     assert len(set(reference[:6])) == 6, "the fixture's continuation repeats"
-    drafter = ScriptedDrafter(reference, [99], 4)
+    drafter = ScriptedDrafter(reference, [wrong_at], 4)
     drafter.prompt_length = len(prompt)
     ours, stats = speculative(model, drafter, prompt, 12, stop_tokens=[reference[2]])
     assert ours == reference[:3]

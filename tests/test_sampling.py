@@ -27,7 +27,7 @@ import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
 from mlx_dspark.confidence.schedulers import ThresholdScheduler
 from mlx_dspark.spec.acceptance import inverse_cdf, rejection_accept, residual
-from mlx_dspark.spec.decoding import acceptance_rule
+from mlx_dspark.spec.decoding import Decoding, acceptance_rule
 from mlx_dspark.spec.sampling import SamplingSpec, make_sampler
 
 from chisquare import goodness_of_fit
@@ -177,6 +177,21 @@ def test_sampling_spec_is_what_mlx_lms_sampler_draws_from(settings):
     samples = sampler(mx.broadcast_to(logprobs, (200_000, 12))).tolist()
     expected = mx.exp(SamplingSpec(**settings).log_probs(logprobs))[0].tolist()
     assert goodness_of_fit(Counter(samples), dict(enumerate(expected))) > ALPHA
+
+
+@pytest.mark.parametrize("sampler", [None, make_sampler(1.0)], ids=["greedy", "T=1"])
+def test_the_drafters_processors_see_the_drafts_so_far(sampler):
+    """As mlx-lm's generate_step would call them for the drafted tokens."""
+    seen = []
+
+    def processor(tokens, logits):
+        seen.append(tokens.tolist())
+        return logits
+
+    draw = Decoding(sampler, (processor,)).draw_for(mx.array([1, 2]))
+    drafts = [draw(mx.array([[0.0, 50.0, 0.0]]))[0], draw(mx.array([[0.0, 0.0, 50.0]]))[0]]
+    assert [d.item() for d in drafts] == [1, 2]
+    assert seen == [[1, 2], [1, 2, 1]]
 
 
 def test_which_rule_each_sampler_gets():
