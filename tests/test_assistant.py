@@ -16,11 +16,11 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 import mlx_dspark
-from mlx_dspark import SpeculativeStats, speculative_generate_step
+from mlx_dspark import speculative_generate_step
 from mlx_dspark.drafters.gemma4_assistant import DEFAULT_NUM_ASSISTANT_TOKENS
 
 from conftest import FIXTURES
-from tiny import tiny_gemma4
+from tiny import speculative, tiny_gemma4
 
 CASES = ("e2b", "dense", "e2b_random")
 ASSISTANT = FIXTURES / "assistant-tiny"
@@ -36,14 +36,6 @@ def case(name):
 
 def drafter_for(name, **options):
     return mlx_dspark.load_drafter(ASSISTANT / name / "assistant", **options)
-
-
-def run(model, drafter, prompt, max_tokens, **kwargs):
-    stats = SpeculativeStats(drafter.name, drafter.block_size)
-    steps = speculative_generate_step(
-        mx.array(prompt), model, drafter, max_tokens=max_tokens, stats=stats, **kwargs
-    )
-    return [t for t, _, _ in steps], stats
 
 
 def record_steps(drafter):
@@ -73,7 +65,7 @@ def test_every_round_matches_transformers(name):
     steps = record_steps(drafter)
     prompt = oracle["prompt"]
     max_tokens = len(oracle["plain_greedy_output"]) - len(prompt)
-    tokens, stats = run(model, drafter, prompt, max_tokens)
+    tokens, stats = speculative(model, drafter, prompt, max_tokens)
     assert tokens == oracle["plain_greedy_output"][len(prompt) :]
     assert len(stats.history) == oracle["num_rounds"]
     for ours, ref in zip(stats.history, oracle["rounds"]):
@@ -141,7 +133,7 @@ def test_seed_hidden_is_the_targets_final_hidden():
     tensors = mx.load(str(ASSISTANT / "e2b" / "rounds.safetensors"))
     drafter = drafter_for("e2b")
     steps = record_steps(drafter)
-    run(model, drafter, oracle["prompt"], 3)
+    speculative(model, drafter, oracle["prompt"], 3)
     first_inputs = steps[0][0]
     np.testing.assert_allclose(
         np.array(first_inputs[..., 64:]), np.array(tensors["r0.seed_hidden"]), atol=1e-5
@@ -162,7 +154,7 @@ def test_lossless_with_either_kv_view(
     and more drafts per round than the checkpoint's 4."""
     _, model = case(name)
     drafter = drafter_for(name, kv_view=kv_view)
-    tokens, _ = run(
+    tokens, _ = speculative(
         model, drafter, prompt, max_tokens, num_draft_tokens=num_draft_tokens
     )
     plain = [
@@ -173,19 +165,45 @@ def test_lossless_with_either_kv_view(
 
 def test_the_clean_view_changes_drafts_not_output():
     oracle, model = case("dense")
-    hf, _ = run(model, drafter_for("dense"), oracle["prompt"], 48)
-    clean_tokens, clean = run(
+    hf, _ = speculative(model, drafter_for("dense"), oracle["prompt"], 48)
+    clean_tokens, clean = speculative(
         model, drafter_for("dense", kv_view="clean"), oracle["prompt"], 48
     )
     assert clean_tokens == oracle["plain_greedy_output"][len(oracle["prompt"]) :]
     assert [r.drafts for r in clean.history] != [r["drafts"] for r in oracle["rounds"]]
 
 
+def test_the_clean_view_is_the_targets_own_window_at_the_anchor():
+    """Every round, the clean view shows the sliding layer the ``W - 1``
+    positions before the anchor (the anchor's own query makes ``W``) and the
+    full layer every position before it."""
+    oracle, model = case("dense")
+    drafter = drafter_for("dense", kv_view="clean")
+    window = drafter.model.args.text.sliding_window
+    kv, views = drafter._kv, []
+
+    def recording(state, target_cache):
+        result = kv(state, target_cache)
+        keys, _, visible = result["sliding_attention"]
+        sliding = target_cache[drafter._target.kv_donors()["sliding_attention"]]
+        positions = np.array(sliding.slot_positions())[: keys.shape[2]]
+        full = result["full_attention"][0].shape[2]
+        views.append((state.offset, sorted(positions[np.array(visible[0])]), full))
+        return result
+
+    drafter._kv = recording
+    speculative(model, drafter, oracle["prompt"], 40)
+    assert len(views) > 5 and views[-1][0] > 2 * window
+    for anchor, sliding, full in views:
+        assert sliding == list(range(max(0, anchor - window + 1), anchor))
+        assert full == anchor
+
+
 def test_sampling_with_the_assistant():
     oracle, model = case("dense")
     drafter = drafter_for("dense")
     mx.random.seed(0)
-    tokens, stats = run(
+    tokens, stats = speculative(
         model, drafter, oracle["prompt"], 30, sampler=mlx_dspark.make_sampler(0.8)
     )
     assert len(tokens) == 30 and stats.acceptance_rule == "rejection"
@@ -225,7 +243,7 @@ def test_quantized_assistant_loads_and_stays_lossless(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     quantized = mlx_dspark.load_drafter(path)
     assert isinstance(quantized.model.pre_projection, nn.QuantizedLinear)
-    tokens, stats = run(model, quantized, oracle["prompt"], 40)
+    tokens, stats = speculative(model, quantized, oracle["prompt"], 40)
     assert (
         tokens
         == oracle["plain_greedy_output"][
@@ -290,7 +308,7 @@ def test_pairing_errors(change, problem):
 
 def test_matching_geometry_pairs():
     model = tiny_gemma4(**MATCHING)
-    tokens, _ = run(model, drafter_for("dense"), [5, 6, 7], 20)
+    tokens, _ = speculative(model, drafter_for("dense"), [5, 6, 7], 20)
     assert tokens == [
         t for t, _ in generate_step(mx.array([5, 6, 7]), model, max_tokens=20)
     ]

@@ -29,9 +29,9 @@ from mlx_dspark.spec.sampling import make_sampler
 from mlx_dspark.spec.stats import SpeculativeStats
 
 from chisquare import goodness_of_fit
-from test_lossless import plain_greedy, trained
+from test_lossless import trained
 from test_sampling import ALPHA, PROMPT, exact_distribution
-from tiny import gemma4_text_args, tiny_dspark, tiny_gemma4
+from tiny import gemma4_text_args, plain_greedy, speculative, tiny_dspark, tiny_gemma4
 
 
 class RandomPolicy:
@@ -340,6 +340,29 @@ def test_num_draft_tokens_per_sequence_is_honoured(drafts):
     assert tokens[0] == plain_greedy(model, prompt, 30)
     assert max(r.proposed for r in stats.history) == drafts
     assert stats.acceptance_lengths and sum(stats.acceptance_lengths) == 29
+
+
+def test_a_sequence_alone_goes_through_the_engines_rounds():
+    """At the end of the token budget (drafts capped by what can still be
+    emitted) and with a stop token at any place, among accepted drafts
+    included, a sequence alone in a batch drafts, keeps and records exactly
+    what the single-stream engine does."""
+    model, drafter = trained("gemma4")
+    prompt = [5, 6, 7, 8, 9]
+
+    def rounds(stats):
+        return [(r.drafts, r.proposed, r.accepted, r.next_token) for r in stats.history]
+
+    for stop in [None, *plain_greedy(model, prompt, 11)]:
+        alone, alone_stats = speculative(model, drafter, prompt, 11, stop_tokens=[stop])
+        stats = SpeculativeStats(drafter.name, drafter.block_size)
+        options = dict(max_tokens=[11], stats=[stats])
+        if stop is not None:
+            options["stop_sequences"] = [StopSequences([[stop]])]
+        generator = SpeculativeBatchGenerator(model, drafter, policy=FixedPolicy())
+        tokens, _ = run(generator, [(0, prompt, options)])
+        assert tokens[0] == alone
+        assert rounds(stats) == rounds(alone_stats)
 
 
 @pytest.mark.parametrize("drafts", [0, 5, 2.0, True])

@@ -17,10 +17,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 
 import mlx_dspark
-from mlx_dspark import SpeculativeStats, speculative_generate_step
+from mlx_dspark import SpeculativeStats
 from mlx_dspark.confidence.calibration import (
     GRID,
     Calibration,
@@ -31,6 +30,7 @@ from mlx_dspark.confidence.calibration import (
     expected_calibration_error,
     fit_sts,
     metrics,
+    predictions,
     sigmoid,
     survival,
 )
@@ -44,7 +44,7 @@ from mlx_dspark.spec.acceptance import rejection_accept
 
 from chisquare import goodness_of_fit
 from conftest import DEEPSPEC_TINY
-from tiny import gemma4_text_args, tiny_dspark, tiny_gemma4
+from tiny import gemma4_text_args, plain_greedy, speculative, tiny_dspark, tiny_gemma4
 
 DSPARK = DEEPSPEC_TINY / "dspark_tiny_gemma4_block4"
 DFLASH = DEEPSPEC_TINY / "dflash_tiny_gemma4_block4"
@@ -176,6 +176,22 @@ def test_sts_recovers_the_temperature_of_an_overconfident_head():
         assert a["ece"] < 0.02 < b["ece"]
         assert a["brier"] < b["brier"]
         assert a["auroc"] == pytest.approx(b["auroc"], abs=0.02)
+
+
+def test_each_position_gets_its_own_temperature():
+    """A head overconfident by a different factor at each position: the fit
+    recovers each one, and survival and predictions apply ``T_k`` to the
+    ``k``-th logit."""
+    true = [0.5, 3.0, 1.5]
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0.0, 3.0, size=(20_000, 3))
+    survives = rng.random(logits.shape) < sigmoid(logits / np.array(true))
+    rounds = Rounds(logits, np.full(len(logits), 3), np.cumprod(survives, 1).sum(1))
+    assert fit_sts(rounds) == pytest.approx(true, rel=0.15)
+    expected = np.cumprod(sigmoid(logits[:2] / np.array(true)), axis=1)
+    np.testing.assert_allclose(predictions(rounds.take(slice(0, 2)), true), expected)
+    np.testing.assert_allclose(survival(logits[0], true), expected[0])
+    np.testing.assert_allclose(survival(logits[0, :2], true), expected[0, :2])
 
 
 def test_positions_with_few_rounds_keep_their_temperature():
@@ -409,6 +425,8 @@ def test_threshold_scheduler_verifies_up_to_the_first_unconfident_draft():
     assert scheduler.choose([2.0, 0.1, -0.1, 3.0], 0, None) == 2
     assert scheduler.choose([-1.0, 2.0], 0, None) == 0
     assert scheduler.choose([1.0, 1.0], 0, None) == 2
+    # A confidence exactly at the threshold is confident (σ(0) == 0.5).
+    assert scheduler.choose([0.0, 0.0, -1e-6], 0, None) == 2
 
 
 class CountingTimer:
@@ -500,18 +518,6 @@ class RandomScheduler:
             timer()  # timing on the live caches must change nothing
         self.chosen.append(self.random.randint(0, len(logits)))
         return self.chosen[-1]
-
-
-def plain_greedy(model, prompt, max_tokens):
-    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
-
-
-def speculative(model, drafter, prompt, max_tokens, **kwargs):
-    stats = SpeculativeStats(drafter.name, drafter.block_size)
-    steps = speculative_generate_step(
-        mx.array(prompt), model, drafter, max_tokens=max_tokens, stats=stats, **kwargs
-    )
-    return [t for t, _, _ in steps], stats
 
 
 @given(
@@ -629,19 +635,13 @@ def test_scheduled_sampling_keeps_the_targets_distribution(
     sampler = mlx_dspark.make_sampler(temp=1.0)
     stats = SpeculativeStats(drafter.name, drafter.block_size)
 
-    def sample():
-        steps = speculative_generate_step(
-            mx.array(SAMPLING_PROMPT),
-            model,
-            drafter,
-            max_tokens=6,
-            sampler=sampler,
-            stats=stats,
-            scheduler=scheduler,
-        )
-        return [t for t, _, _ in steps][:3]
-
-    counts = sample_runs(sample, 600, 3)
+    counts = sample_runs(
+        lambda: speculative(
+            model, drafter, SAMPLING_PROMPT, 6, stats, sampler=sampler, scheduler=scheduler
+        )[0],
+        600,
+        3,
+    )
     verified = [r.proposed for r in stats.history if r.drafts]
     assert stats.acceptance_rule == "rejection" and len(set(verified)) > 1
     expected = exact_distribution(model, {"temp": 1.0}, {}, 3)

@@ -448,6 +448,63 @@ def test_server_reuses_only_what_the_cache_can_roll_back(servers):
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_server_trims_a_longer_cached_context_to_the_shared_prefix():
+    """In process and deterministic: a cached context that goes on past the
+    request is handed back holding only the shared prefix (and exactly what
+    a fresh forward over it holds); an exact hit keeps the last prompt token
+    to process; an entry that cannot roll back that far is not used."""
+    from mlx_lm.models.cache import LRUPromptCache
+
+    from mlx_dspark.integration.dispatch import rollback_caches
+    from mlx_dspark.integration.server import fetch_nearest_cache
+
+    from tiny import tiny_gemma4
+
+    model = tiny_gemma4(seed=0, window=4)
+    cached = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    lru = LRUPromptCache()
+    for key, rollback in (("deep", 32), ("shallow", 1)):
+        cache = rollback_caches(model, rollback)
+        model(mx.array(cached)[None], cache=cache)
+        lru.insert_cache(key, cached, cache)
+
+    request = cached[:6] + [77, 78]
+    cache, rest = fetch_nearest_cache(lru, "deep", request)
+    assert rest == [77, 78] and [c.offset for c in cache] == [6] * len(cache)
+    fresh = rollback_caches(model, 32)
+    model(mx.array(cached[:6])[None], cache=fresh)
+    expected = model(mx.array(rest)[None], cache=fresh)
+    assert mx.allclose(model(mx.array(rest)[None], cache=cache), expected).item()
+
+    cache, rest = fetch_nearest_cache(lru, "deep", cached)
+    assert rest == cached[-1:] and cache[0].offset == len(cached) - 1
+    assert fetch_nearest_cache(lru, "shallow", request) == (None, request)
+
+
+def test_an_ordinary_draft_model_leaves_the_prompt_cache_settled():
+    """mlx-lm's two-model loop with a prompt cache: afterwards target and
+    draft caches hold the prompt and every yielded token, and a second turn
+    continues exactly like a fresh run over the conversation."""
+    from mlx_lm.generate import generate_step, speculative_generate_step
+
+    from mlx_dspark.integration.dispatch import rollback_caches
+
+    from tiny import tiny_gemma4
+
+    model, draft = tiny_gemma4(seed=0, window=4), tiny_gemma4(seed=1, window=4)
+    cache = rollback_caches(model, 4) + rollback_caches(draft, 4)
+    prompt, follow_up, turns = [3, 14, 15, 92], [65, 35], []
+    for tokens in (prompt, follow_up):
+        steps = speculative_generate_step(
+            mx.array(tokens), model, draft, prompt_cache=cache, max_tokens=9
+        )
+        turns.append([t for t, _, _ in steps])
+        held = len(prompt) + len(turns[0]) + (len(turns) - 1) * (len(follow_up) + 9)
+        assert [c.offset for c in cache] == [held] * len(cache)
+    fresh = generate_step(mx.array(prompt + turns[0] + follow_up), model, max_tokens=9)
+    assert turns[1] == [t for t, _ in fresh]
+
+
 def test_activation_is_lazy_and_installed_for_every_interpreter():
     """The installed .pth/.start files add only an import hook at start-up;
     MLX, mlx-lm and the plugins load when mlx_lm.generate is imported."""

@@ -8,16 +8,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 
 import mlx_dspark
-from mlx_dspark import SpeculativeStats, speculative_generate_step
+from mlx_dspark import speculative_generate_step
 from mlx_dspark.drafters.base import Proposal
 
 from conftest import FIXTURES
 from tiny import (
     gemma4_text_args,
+    plain_greedy,
     qwen3_args,
+    speculative,
     tiny_dspark,
     tiny_gemma4,
     tiny_qwen3,
@@ -25,19 +26,6 @@ from tiny import (
 )
 
 FAMILIES = {"gemma4": "deepspec-tiny", "qwen3": "deepspec-qwen3-tiny"}
-
-
-def plain_greedy(model, prompt, max_tokens):
-    """mlx-lm's own non-speculative greedy decoding."""
-    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
-
-
-def speculative(model, drafter, prompt, max_tokens, **kwargs):
-    stats = SpeculativeStats(drafter.name, drafter.block_size)
-    steps = speculative_generate_step(
-        mx.array(prompt), model, drafter, max_tokens=max_tokens, stats=stats, **kwargs
-    )
-    return [t for t, _, _ in steps], stats
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,13 +68,12 @@ def test_trained_pairs_are_lossless(
     assert all(r.proposed <= num_draft_tokens for r in stats.history)
 
 
-@st.composite
-def random_qwen3_pairs(draw):
-    layers = draw(st.integers(2, 5))
-    target_kwargs = dict(layers=layers, tie=draw(st.booleans()))
+def random_drafter_kwargs(draw, layers):
+    """A random drafter's options for a target of ``layers`` layers: block
+    size, taps (the embedding included), Markov head, confidence head."""
     taps = sorted(draw(st.sets(st.integers(-1, layers - 2), min_size=1, max_size=3)))
     rank = draw(st.sampled_from([0, 4, 8]))
-    drafter_kwargs = dict(
+    return dict(
         block_size=draw(st.integers(1, 6)),
         taps=taps,
         markov_rank=rank,
@@ -94,6 +81,13 @@ def random_qwen3_pairs(draw):
         confidence=draw(st.booleans()),
         layers=draw(st.integers(1, 2)),
     )
+
+
+@st.composite
+def random_qwen3_pairs(draw):
+    layers = draw(st.integers(2, 5))
+    target_kwargs = dict(layers=layers, tie=draw(st.booleans()))
+    drafter_kwargs = random_drafter_kwargs(draw, layers)
     seed = draw(st.integers(0, 10_000))
     prompt = draw(st.lists(st.integers(0, 95), min_size=1, max_size=20))
     return target_kwargs, drafter_kwargs, seed, prompt, draw(st.integers(1, 40))
@@ -123,16 +117,7 @@ def random_pairs(draw):
         target_kwargs.update(
             per_layer_input=8, kv_shared=draw(st.integers(0, layers - 2))
         )
-    taps = sorted(draw(st.sets(st.integers(-1, layers - 2), min_size=1, max_size=3)))
-    rank = draw(st.sampled_from([0, 4, 8]))
-    drafter_kwargs = dict(
-        block_size=draw(st.integers(1, 6)),
-        taps=taps,
-        markov_rank=rank,
-        markov_head_type=draw(st.sampled_from(["vanilla", "gated", "rnn"])),
-        confidence=draw(st.booleans()),
-        layers=draw(st.integers(1, 2)),
-    )
+    drafter_kwargs = random_drafter_kwargs(draw, layers)
     if drafter_kwargs["confidence"]:
         drafter_kwargs["confidence_threshold"] = draw(st.sampled_from([0.0, 0.5]))
     seed = draw(st.integers(0, 10_000))
@@ -233,6 +218,27 @@ def test_any_draft_is_accepted_exactly_as_far_as_it_is_right(
         assert r.accepted == min(corrupt, r.proposed)
 
 
+@pytest.mark.parametrize("max_tokens", range(1, 13))
+def test_rounds_at_the_end_of_the_budget(max_tokens):
+    """With drafts that are always right, every round keeps all its drafts
+    and the target's bonus token after them, and drafts no more than what
+    can still be emitted besides that token."""
+    model = TINY_TARGETS["gemma4"](0)
+    prompt = [3, 14, 15]
+    reference = plain_greedy(model, prompt, max_tokens + 6)
+    drafter = ScriptedDrafter(reference, [99], 4)
+    drafter.prompt_length = len(prompt)
+    ours, stats = speculative(model, drafter, prompt, max_tokens)
+    assert ours == reference[:max_tokens]
+    emitted = 1
+    for r in stats.history:
+        assert r.proposed == len(r.drafts) == min(4, max_tokens - emitted - 1)
+        assert r.accepted == r.proposed
+        assert r.next_token == reference[emitted + r.accepted]
+        emitted += r.accepted + 1
+    assert emitted == max_tokens
+
+
 @given(
     seed=st.integers(0, 1000),
     prompt=st.lists(st.integers(0, 95), min_size=1, max_size=10),
@@ -260,15 +266,17 @@ def test_stop_token_inside_accepted_drafts_ends_the_round_there(
     assert 1 + sum(r.acceptance_length for r in stats.history) >= len(ours)
 
 
-def test_stop_token_round_statistics(tiny_pair):
-    """A stop token at the second draft: the round verified and accepted
+@pytest.mark.parametrize("wrong_at", [99, 2])
+def test_stop_token_round_statistics(tiny_pair, wrong_at):
+    """A stop token at the second draft (followed by right drafts, or the
+    last one accepted before a wrong one): the round verified and accepted
     exactly two drafts and has no target token."""
     model = tiny_pair[0]
     prompt = [65, 211, 266, 241, 234]
     reference = plain_greedy(model, prompt, 12)
     # The first round drafts reference[1:5]; make reference[2] the stop token.
     assert len(set(reference[:6])) == 6, "the fixture's continuation repeats"
-    drafter = ScriptedDrafter(reference, [99], 4)
+    drafter = ScriptedDrafter(reference, [wrong_at], 4)
     drafter.prompt_length = len(prompt)
     ours, stats = speculative(model, drafter, prompt, 12, stop_tokens=[reference[2]])
     assert ours == reference[:3]

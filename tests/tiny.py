@@ -1,12 +1,14 @@
-"""Tiny random float32 models for property tests."""
+"""Tiny random float32 models for property tests, and running them."""
 
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma4, gemma4_text, qwen3
 
+from mlx_dspark import SpeculativeStats, speculative_generate_step
 from mlx_dspark.drafters import gemma4_dspark, qwen3_dspark
 from mlx_dspark.drafters.deepspec import DeepSpecDrafter
 
@@ -92,6 +94,31 @@ def tiny_gemma4(seed=0, wrapper=False, **kwargs):
     return randomize(model, seed)
 
 
+DRAFTER_FAMILIES = {
+    "gemma4": (
+        gemma4_dspark,
+        dict(
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_global_key_value_heads=1,
+            global_head_dim=32,
+            attention_k_eq_v=True,
+            rope_parameters=ROPE,
+            final_logit_softcapping=30.0,
+        ),
+    ),
+    "qwen3": (
+        qwen3_dspark,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
+        ),
+    ),
+}
+
+
 def tiny_dspark(
     target_args: dict,
     seed=1,
@@ -102,19 +129,17 @@ def tiny_dspark(
     confidence=True,
     confidence_threshold=0.0,
     layers=1,
+    family="gemma4",
 ):
-    args = gemma4_dspark.ModelArgs(
+    """A random DeepSpec drafter of ``family`` for a target made from
+    ``target_args``."""
+    module, family_args = DRAFTER_FAMILIES[family]
+    args = module.ModelArgs(
+        **family_args,
         hidden_size=target_args["hidden_size"],
         intermediate_size=2 * target_args["hidden_size"],
         num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_global_key_value_heads=1,
-        global_head_dim=32,
-        attention_k_eq_v=True,
         vocab_size=target_args["vocab_size"],
-        rope_parameters=ROPE,
-        final_logit_softcapping=30.0,
         block_size=block_size,
         num_target_layers=target_args["num_hidden_layers"],
         target_layer_ids=list(taps),
@@ -124,8 +149,8 @@ def tiny_dspark(
         enable_confidence_head=confidence,
         confidence_head_with_markov=confidence and markov_rank > 0,
     )
-    model = randomize(gemma4_dspark.Model(args), seed)
-    return DeepSpecDrafter(model, "gemma4", Path("<random>"), confidence_threshold)
+    model = randomize(module.Model(args), seed)
+    return DeepSpecDrafter(model, family, Path("<random>"), confidence_threshold)
 
 
 def qwen3_args(layers=4, vocab=96, hidden=32, tie=False):
@@ -149,34 +174,20 @@ def tiny_qwen3(seed=0, **kwargs):
     return randomize(qwen3.Model(qwen3.ModelArgs.from_dict(qwen3_args(**kwargs))), seed)
 
 
-def tiny_qwen3_dspark(
-    target_args: dict,
-    seed=1,
-    block_size=4,
-    taps=(0, 1),
-    markov_rank=8,
-    markov_head_type="vanilla",
-    confidence=True,
-    confidence_threshold=0.0,
-    layers=1,
-):
-    args = qwen3_dspark.ModelArgs(
-        hidden_size=target_args["hidden_size"],
-        intermediate_size=2 * target_args["hidden_size"],
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=target_args["vocab_size"],
-        rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
-        block_size=block_size,
-        num_target_layers=target_args["num_hidden_layers"],
-        target_layer_ids=list(taps),
-        mask_token_id=4,
-        markov_rank=markov_rank,
-        markov_head_type=markov_head_type if markov_rank else None,
-        enable_confidence_head=confidence,
-        confidence_head_with_markov=confidence and markov_rank > 0,
+def tiny_qwen3_dspark(target_args: dict, **kwargs):
+    return tiny_dspark(target_args, family="qwen3", **kwargs)
+
+
+def plain_greedy(model, prompt, max_tokens):
+    """mlx-lm's own non-speculative greedy decoding."""
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+def speculative(model, drafter, prompt, max_tokens, stats=None, **kwargs):
+    """The tokens of ``speculative_generate_step`` and its statistics."""
+    if stats is None:
+        stats = SpeculativeStats(drafter.name, drafter.block_size)
+    steps = speculative_generate_step(
+        mx.array(prompt), model, drafter, max_tokens=max_tokens, stats=stats, **kwargs
     )
-    model = randomize(qwen3_dspark.Model(args), seed)
-    return DeepSpecDrafter(model, "qwen3", Path("<random>"), confidence_threshold)
+    return [t for t, _, _ in steps], stats

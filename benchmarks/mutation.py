@@ -1,0 +1,363 @@
+"""Mutation testing before a release: a curated list of plausible bugs, each
+put into a copy of the tree on its own, and the tests that should catch it
+run there with a timeout. A mutant is killed when those tests fail.
+
+    python benchmarks/mutation.py [--only NAME ...] [--report PATH]
+
+Writes a markdown report (default ``benchmarks/results/mutation.md``) with
+the score and, for every survivor, why it is not a bug worth a test (or the
+test to write). Every mutant's text must occur exactly once in its file, so a
+refactoring that moves the code makes the list fail loudly, not pass.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = ROOT / "benchmarks" / "results" / "mutation.md"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: Tuple[str, ...]
+    # Why the mutant may survive without a missing test (None: it must die).
+    equivalent: Optional[str] = None
+
+
+SPEC = "mlx_dspark/spec/"
+MUTANTS = [
+    # The six the first round of mutation testing found uncaught (issue 15).
+    Mutant(
+        "residual from position 0's proposal",
+        SPEC + "acceptance.py",
+        "residual(p[:n], q)",
+        "residual(p[:n], q[:1])",
+        ("tests/test_sampling.py", "-k", "residual or every_offset"),
+    ),
+    Mutant(
+        "threshold compared with >",
+        "mlx_dspark/confidence/schedulers.py",
+        "sigmoid(logits) >= self.threshold",
+        "sigmoid(logits) > self.threshold",
+        ("tests/test_confidence.py", "-k", "threshold"),
+    ),
+    Mutant(
+        "STS temperatures shifted by one position (survival)",
+        "mlx_dspark/confidence/calibration.py",
+        "z = z / np.asarray(temperatures[: len(z)])",
+        "z = z / np.roll(np.asarray(temperatures[: len(z)]), 1)",
+        ("tests/test_confidence.py", "-k", "temperature"),
+    ),
+    Mutant(
+        "STS temperatures shifted by one position (fit)",
+        "mlx_dspark/confidence/calibration.py",
+        "prefix = prefix * sigmoid(rounds.logits[:, k] / temperatures[k])",
+        "prefix = prefix * sigmoid(rounds.logits[:, k] / temperatures[k - 1])",
+        ("tests/test_confidence.py", "-k", "temperature or sts"),
+    ),
+    Mutant(
+        "drafts one past the token budget",
+        SPEC + "engine.py",
+        "max_tokens - len(yielded) - 1)",
+        "max_tokens - len(yielded))",
+        ("tests/test_lossless.py", "-k", "budget"),
+    ),
+    Mutant(
+        "clean K/V view one position too many",
+        "mlx_dspark/drafters/gemma4_assistant.py",
+        "state.view = (anchor, max(0, anchor - window + 1), anchor)",
+        "state.view = (anchor, max(0, anchor - window), anchor)",
+        ("tests/test_assistant.py", "-k", "clean"),
+    ),
+    Mutant(
+        "prompt cache never settled with an ordinary draft model",
+        "mlx_dspark/integration/dispatch.py",
+        "        _settle(model, target_cache, history, start)\n"
+        "        _settle(draft_model, draft_cache, history, start)\n",
+        "        pass\n",
+        ("tests/test_integration.py", "-k", "settled"),
+    ),
+    # The three caught only by chance or by one unrelated test.
+    Mutant(
+        "logits processors ignored at verified rows",
+        SPEC + "decoding.py",
+        "self.log_probs(logits[k : k + 1], verified[: context.size + k])",
+        "log_softmax(logits[k : k + 1])",
+        ("tests/test_sampling.py", "-k", "every_offset and biased"),
+    ),
+    Mutant(
+        "bonus token dropped when every draft is accepted",
+        SPEC + "engine.py",
+        "emitted = tokens[: accepted + 1].tolist()",
+        "emitted = tokens[: accepted + (accepted < num_verify or not num_verify)]"
+        ".tolist()",
+        ("tests/test_lossless.py", "-k", "budget"),
+    ),
+    Mutant(
+        "server hands back a longer cached context untrimmed",
+        "mlx_dspark/integration/server.py",
+        "                c.trim(drop)\n",
+        "                pass\n",
+        ("tests/test_integration.py", "-k", "trims_a_longer"),
+    ),
+    # Acceptance rules.
+    Mutant(
+        "acceptance at u * q == p",
+        SPEC + "acceptance.py",
+        "accept = u[:n] * q_x < p_x",
+        "accept = u[:n] * q_x <= p_x",
+        ("tests/test_sampling.py", "-k", "accepted or residual or emitted"),
+    ),
+    Mutant(
+        "greedy acceptance counts matches after a mismatch",
+        SPEC + "acceptance.py",
+        "return mx.cumprod(matches.astype(mx.int32), axis=-1).sum(axis=-1)",
+        "return matches.astype(mx.int32).sum(axis=-1)",
+        ("tests/test_lossless.py", "-k", "any_draft"),
+    ),
+    Mutant(
+        "inverse CDF off by one at the boundary",
+        SPEC + "acceptance.py",
+        "index = (cdf <= u * cdf[..., -1:]).sum(axis=-1)",
+        "index = (cdf < u * cdf[..., -1:]).sum(axis=-1)",
+        ("tests/test_sampling.py", "-k", "inverse_cdf or emitted or residual"),
+    ),
+    Mutant(
+        "residual falls back to q instead of p",
+        SPEC + "acceptance.py",
+        "return mx.where(mass > 1e-8, r / mx.maximum(mass, 1e-30), p)",
+        "return mx.where(mass > 1e-8, r / mx.maximum(mass, 1e-30), q)",
+        ("tests/test_sampling.py", "-k", "residual or accepted or emitted"),
+        equivalent="the fallback is taken only where p <= q everywhere, that is "
+        "p == q up to rounding, so q is p there; and a draft from q == p is always "
+        "accepted, so no residual is drawn at all.",
+    ),
+    # Per-sequence decoding.
+    Mutant(
+        "drafter's processors do not see the drafts so far",
+        SPEC + "decoding.py",
+        "history = mx.concatenate([context, *drafted]) if self.processors else None",
+        "history = context if self.processors else None",
+        ("tests/test_sampling.py", "-k", "drafts_so_far or every_offset and biased"),
+    ),
+    Mutant(
+        "verify processors see the token they score",
+        SPEC + "decoding.py",
+        "verified[: context.size + k])",
+        "verified[: context.size + k + 1])",
+        ("tests/test_sampling.py", "-k", "logprobs or greedy_with or every_offset"),
+    ),
+    # The single-stream engine.
+    Mutant(
+        "stop token in the last accepted draft missed",
+        SPEC + "engine.py",
+        "for i, t in enumerate(emitted[:accepted]):",
+        "for i, t in enumerate(emitted[: accepted - 1]):",
+        ("tests/test_lossless.py", "-k", "stop_token"),
+    ),
+    Mutant(
+        "target cache keeps one rejected draft",
+        SPEC + "engine.py",
+        "c.trim(num_verify + padding - accepted)",
+        "c.trim(max(num_verify + padding - accepted - 1, 0))",
+        ("tests/test_lossless.py", "-k", "any_draft"),
+    ),
+    Mutant(
+        "drafter takes in one tap too many",
+        SPEC + "engine.py",
+        "[h[:, : accepted + 1] for h in out.hidden]",
+        "[h[:, : accepted + 2] for h in out.hidden]",
+        ("tests/test_oracle_deepspec.py", "-k", "every_round"),
+    ),
+    Mutant(
+        "settled prompt cache one token long",
+        SPEC + "engine.py",
+        "base = keep - 1 if yielded_tokens else keep",
+        "base = keep",
+        ("tests/test_lossless.py", "-k", "prompt_cache"),
+    ),
+    # The batched generator and its cache.
+    Mutant(
+        "batch drafts one past the token budget",
+        "mlx_dspark/batching/generator.py",
+        "min(s.num_draft_tokens, s.remaining - 1)",
+        "min(s.num_draft_tokens, s.remaining)",
+        ("tests/test_batching.py", "-k", "alone"),
+    ),
+    Mutant(
+        "batch rows roll back one token short",
+        "mlx_dspark/batching/generator.py",
+        "trims.append(1 + k - len(emitted))",
+        "trims.append(k - len(emitted))",
+        ("tests/test_batching.py", "-k", "greedy or roll_back"),
+    ),
+    Mutant(
+        "batch statistics count drafts after a stop",
+        "mlx_dspark/batching/generator.py",
+        "kept = min(accepted, len(emitted))",
+        "kept = accepted",
+        ("tests/test_batching.py", "-k", "alone"),
+    ),
+    Mutant(
+        "batch cache cursor reuses slots a row still holds",
+        "mlx_dspark/batching/cache.py",
+        "self._idx -= min(counts)",
+        "self._idx -= max(counts)",
+        ("tests/test_batching.py", "-k", "greedy or roll_back"),
+    ),
+    Mutant(
+        "batch sliding mask one key too wide",
+        "mlx_dspark/batching/cache.py",
+        "mask = mask & (keys > queries - self.window)",
+        "mask = mask & (keys >= queries - self.window)",
+        ("tests/test_batching.py", "-k", "tiny_windows"),
+    ),
+    # Confidence.
+    Mutant(
+        "survival without the product",
+        "mlx_dspark/confidence/calibration.py",
+        "return np.cumprod(sigmoid(z)).tolist()",
+        "return sigmoid(z).tolist()",
+        ("tests/test_confidence.py",),
+    ),
+    # The rollback cache.
+    Mutant(
+        "sliding-window mask one key too wide",
+        "mlx_dspark/cache.py",
+        "& (positions[None] > queries - self.window)",
+        "& (positions[None] >= queries - self.window)",
+        ("tests/test_cache.py",),
+    ),
+    Mutant(
+        "rollback allowed one token past the kept history",
+        "mlx_dspark/cache.py",
+        "return self.offset - (self.window - 1) - self._start",
+        "return self.offset - (self.window - 2) - self._start",
+        ("tests/test_cache.py",),
+    ),
+]
+
+
+def copy_tree(destination: Path) -> None:
+    """The package, tests and project files, without virtual environments
+    or git metadata."""
+    ignore = shutil.ignore_patterns(".git", ".venv*", "__pycache__", "*.egg-info")
+    for name in ("mlx_dspark", "tests", "examples", "pyproject.toml"):
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, destination / name, ignore=ignore)
+        else:
+            shutil.copy(source, destination / name)
+
+
+def apply(mutant: Mutant, tree: Path) -> None:
+    path = tree / mutant.path
+    text = path.read_text()
+    if text.count(mutant.old) != 1:
+        raise SystemExit(
+            f"{mutant.name}: the text to mutate occurs {text.count(mutant.old)} "
+            f"times in {mutant.path} (expected once); update the mutant."
+        )
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+def run(mutant: Mutant, timeout: float) -> Tuple[str, float]:
+    """``"killed"`` (a test failed), ``"survived"`` or ``"timeout"`` (counted
+    as killed: the tests did not pass), and the seconds taken."""
+    with tempfile.TemporaryDirectory(prefix="mlx-dspark-mutant-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        apply(mutant, tree)
+        env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+        start = time.perf_counter()
+        try:
+            result = subprocess.run(
+                [*command, *mutant.tests],
+                cwd=tree,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return "timeout", time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        if result.returncode not in (0, 1) or "mutant-" not in _imported_from(
+            tree, env
+        ):
+            raise SystemExit(
+                f"{mutant.name}: the tests did not run on the copy "
+                f"(pytest exit status {result.returncode}):\n{result.stdout[-2000:]}"
+            )
+    return ("survived" if result.returncode == 0 else "killed"), elapsed
+
+
+def _imported_from(tree: Path, env: dict) -> str:
+    return subprocess.run(
+        [sys.executable, "-c", "import mlx_dspark; print(mlx_dspark.__file__)"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+    ).stdout
+
+
+def report(results) -> str:
+    killed = sum(outcome != "survived" for _, outcome, _ in results)
+    lines = [
+        "# Mutation testing",
+        "",
+        f"Score: **{killed}/{len(results)}** mutants killed "
+        "(`python benchmarks/mutation.py`; each mutant on its own copy of the "
+        "tree, only the tests listed run).",
+        "",
+        "| mutant | file | tests | outcome | seconds |",
+        "|---|---|---|---|---|",
+    ]
+    for mutant, outcome, seconds in results:
+        tests = " ".join(mutant.tests).replace("|", "\\|")
+        lines.append(
+            f"| {mutant.name} | `{mutant.path}` | `{tests}` | {outcome} | {seconds:.0f} |"
+        )
+    survivors = [m for m, outcome, _ in results if outcome == "survived"]
+    if survivors:
+        lines += ["", "## Survivors", ""]
+        for mutant in survivors:
+            why = mutant.equivalent or "**not explained: write the test that kills it.**"
+            lines.append(f"- {mutant.name}: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="mutant names (substrings)")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--report", type=Path, default=REPORT)
+    args = parser.parse_args()
+    mutants = [
+        m for m in MUTANTS if not args.only or any(s in m.name for s in args.only)
+    ]
+    results = []
+    for mutant in mutants:
+        outcome, seconds = run(mutant, args.timeout)
+        print(f"{outcome:9} {seconds:6.0f}s  {mutant.name}", flush=True)
+        results.append((mutant, outcome, seconds))
+    args.report.write_text(report(results))
+    print(f"{args.report}: {report(results).splitlines()[2]}")
+
+
+if __name__ == "__main__":
+    main()
