@@ -20,6 +20,24 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 
+def check_window(window: Optional[int], asked: Optional[int]) -> None:
+    """A layer's mask request matches the window the cache serves."""
+    if asked is not None and asked != window:
+        raise ValueError(
+            f"This cache serves a window of {window} tokens, but the layer "
+            f"asked for a mask with window {asked}."
+        )
+
+
+def visible(keys: mx.array, queries: mx.array, window: Optional[int]) -> mx.array:
+    """Which key positions each query position attends to: written ones
+    (``>= 0``), not in its future, and within ``window`` if there is one."""
+    mask = (keys >= 0) & (keys <= queries)
+    if window is not None:
+        mask = mask & (keys > queries - window)
+    return mask
+
+
 class SlidingWindowKVCache(_BaseCache):
     """KV cache for a sliding-window attention layer, with bounded rollback.
 
@@ -102,11 +120,7 @@ class SlidingWindowKVCache(_BaseCache):
     def make_mask(
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
     ):
-        if window_size is not None and window_size != self.window:
-            raise ValueError(
-                f"This cache serves a window of {self.window} tokens, but the "
-                f"layer asked for a mask with window {window_size}."
-            )
+        check_window(self.window, window_size)
         o = self.offset
         if o == 0 and not self._in_place(N):
             return create_causal_mask(N, 0, window_size=self.window)
@@ -121,12 +135,7 @@ class SlidingWindowKVCache(_BaseCache):
             positions = mx.concatenate(
                 [mx.where(ring < o, ring, -1), mx.arange(o, o + N)]
             )
-        queries = mx.arange(o, o + N)[:, None]
-        return (
-            (positions[None] <= queries)
-            & (positions[None] > queries - self.window)
-            & (positions[None] >= 0)
-        )
+        return visible(positions[None], mx.arange(o, o + N)[:, None], self.window)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n = keys.shape[2]

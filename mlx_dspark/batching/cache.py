@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, _BaseCache
 
-from ..cache import SlidingWindowKVCache
+from ..cache import SlidingWindowKVCache, check_window, visible
 
 
 class BatchRollbackKVCache(_BaseCache):
@@ -137,17 +137,10 @@ class BatchRollbackKVCache(_BaseCache):
     def make_mask(
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
     ):
-        if window_size is not None and window_size != self.window:
-            raise ValueError(
-                f"This cache serves a window of {self.window}, but the layer "
-                f"asked for a mask with window {window_size}."
-            )
+        check_window(self.window, window_size)
         keys = self._positions_after(N)[:, None, None, :]
         queries = self._new_positions(N)[:, None, :, None]
-        mask = (keys >= 0) & (keys <= queries)
-        if self.window is not None:
-            mask = mask & (keys > queries - self.window)
-        return mask
+        return visible(keys, queries, self.window)
 
     def block_mask(self, N: int) -> mx.array:
         """For a drafter's block that sees every live slot and itself."""
