@@ -101,6 +101,7 @@ def batches(draw):
         prefill_batch_size=draw(st.integers(1, 4)),
         prefill_step_size=draw(st.sampled_from([1, 3, 7, 2048])),
         compact_waste=draw(st.sampled_from([1, 4, 64])),
+        pipeline=draw(st.booleans()),
     )
     return requests, sizes, draw(st.integers(0, 10_000))
 
@@ -145,6 +146,42 @@ def test_random_models_with_tiny_windows(case, window, model_seed):
     model = tiny_gemma4(seed=model_seed, window=window)
     drafter = tiny_dspark(args, seed=model_seed + 1)
     check_batch(model, drafter, requests, sizes, seed)
+
+
+def test_pipelined_rounds_record_what_rounds_read_one_by_one_record():
+    """With nothing in the batch waiting for the host, the next round is
+    built before the current one is read (it happens here, most rounds),
+    and every sequence's tokens and rounds are those of reading each round
+    before building the next: stops, budgets and disconnects included."""
+    model, drafter = trained("gemma4")
+    prompts = [[5, 6, 7, 8, 9], [10, 20, 30], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+    stops = [None, StopSequences([[plain_greedy(model, prompts[1], 40)[33]]]), None]
+    results = []
+    for pipeline in (False, True):
+        generator = SpeculativeBatchGenerator(
+            model, drafter, policy=FixedPolicy(), pipeline=pipeline
+        )
+        ahead = []
+        launch = generator._launch
+
+        def spy(anchors):
+            ahead.append(generator._in_flight is not None)
+            return launch(anchors)
+
+        generator._launch = spy
+        stats = [SpeculativeStats(drafter.name, drafter.block_size) for _ in prompts]
+        requests = [
+            (i, p, dict(max_tokens=[40 + 9 * i], stats=[stats[i]],
+                        **({"stop_sequences": [stop]} if stop else {})))
+            for i, (p, stop) in enumerate(zip(prompts, stops))
+        ]
+        tokens, _ = run(generator, requests, remove_after={2: 30})
+        rounds = [[(r.drafts, r.proposed, r.accepted) for r in s.history] for s in stats]
+        results.append((tokens, rounds))
+        assert sum(ahead) > (len(ahead) // 2 if pipeline else -1), ahead
+        assert pipeline or not any(ahead)
+    assert results[0] == results[1]
+    assert results[1][0][0] == plain_greedy(model, prompts[0], 40)
 
 
 def test_a_disconnect_leaves_the_others_untouched():

@@ -74,9 +74,12 @@ class BatchRollbackKVCache(_BaseCache):
         batch._idx = width
         return batch
 
-    def extract(self, idx: int):
-        """Row ``idx`` as the single-sequence cache the engine uses."""
-        end, count = self.lengths[idx], self.lengths[idx] - self.firsts[idx]
+    def extract(self, idx: int, end: Optional[int] = None):
+        """Row ``idx``'s positions before ``end`` (by default all it holds)
+        as the single-sequence cache the engine uses; positions written
+        since (a round still in flight) are left out."""
+        end = self.lengths[idx] if end is None else end
+        count = end - self.firsts[idx]
         if self.window is None and count != end:
             raise RuntimeError("A full-attention row lost part of its history.")
         if self.window is None:
@@ -86,7 +89,7 @@ class BatchRollbackKVCache(_BaseCache):
         if count == 0:
             return cache
         live = self.positions[idx, : self._idx]
-        order = mx.argsort(mx.where(live >= 0, live, -1))[self._idx - count :]
+        order = mx.argsort(mx.where(live < end, live, -1))[self._idx - count :]
         keys = self.keys[idx : idx + 1, :, order]
         values = self.values[idx : idx + 1, :, order]
         if self.window is None:
@@ -153,13 +156,25 @@ class BatchRollbackKVCache(_BaseCache):
 
     def trim_rows(self, counts: Sequence[int]) -> None:
         """Roll row ``b`` back by ``counts[b]`` tokens of the latest write."""
-        self.offset = self.offset - mx.array(counts, mx.int32)
+        self.rollback(mx.array(counts, mx.int32))
+        self.settle(counts, reuse=True)
+
+    def rollback(self, counts: mx.array) -> None:
+        """``trim_rows`` with the counts still on the device: the host's
+        ``lengths`` catch up in ``settle``, so the next write need not wait
+        for the counts."""
+        self.offset = self.offset - counts
         self.positions = mx.where(
             self.positions >= self.offset[:, None], -1, self.positions
         )
+
+    def settle(self, counts: Sequence[int], reuse: bool) -> None:
+        """The host's side of a ``rollback`` by ``counts``. With ``reuse``
+        (nothing written since), the slots every row freed are written
+        again; otherwise they stay holes until ``compact``."""
         self.lengths = [length - c for length, c in zip(self.lengths, counts)]
-        # The newest slots are free in every row: the cursor can reuse them.
-        self._idx -= min(counts)
+        if reuse:
+            self._idx -= min(counts)
 
     def trim(self, n: int) -> int:
         self.trim_rows([n] * len(self.lengths))

@@ -63,10 +63,14 @@ class Sequence:
     total: int = 0
     anchor: Optional[int] = None  # the last emitted token, not yet cached
     emitted: int = 0
+    in_flight: int = 0  # tokens a launched, unread round may still emit
+    finished: bool = False  # done or removed; its row leaves when drained
 
     @property
     def remaining(self) -> int:
-        return self.max_tokens - self.emitted
+        """Tokens left in the budget, counting an unread round as emitting
+        all it may (so its drafts never run past the budget)."""
+        return self.max_tokens - self.emitted - self.in_flight
 
     def context(self) -> Optional[mx.array]:
         """Every token up to and including the anchor, for the processors."""
@@ -116,18 +120,26 @@ class Rows:
         return taken
 
     def extract(self, i: int) -> list:
-        return [c.extract(i) for c in self.caches()]
+        """Row ``i``'s caches holding exactly its sequence's ``tokens``."""
+        end = len(self.sequences[i].tokens)
+        return [c.extract(i, end) for c in self.caches()]
 
     def trim_rows(self, counts: List[int]) -> None:
         for c in self.caches():
             c.trim_rows(counts)
 
-    def compact(self, waste: int) -> None:
-        """Pack the caches that hold ``waste`` or more unused slots (and at
-        least a quarter of their slots), so packing costs O(1) per slot."""
+    def settle(self, counts: List[int], reuse: bool) -> None:
         for c in self.caches():
-            if c.reclaimable() >= max(waste, c.size() // 4):
-                c.compact()
+            c.settle(counts, reuse)
+
+    def wasteful(self, waste: int) -> List[BatchRollbackKVCache]:
+        """The caches holding ``waste`` or more unused slots (and at least a
+        quarter of their slots): packing them costs O(1) per slot."""
+        return [c for c in self.caches() if c.reclaimable() >= max(waste, c.size() // 4)]
+
+    def compact(self, waste: int) -> None:
+        for c in self.wasteful(waste):
+            c.compact()
 
 
 class SpeculativeBatchGenerator:
@@ -145,6 +157,9 @@ class SpeculativeBatchGenerator:
             cost scheduler's are).
         compact_waste: Slots a row may leave unused (rejected drafts, prompt
             padding) before the caches are packed.
+        pipeline: Build each round while the one before it runs on the
+            device, when the batch allows it (``_can_overlap``), as mlx-lm's
+            ``BatchGenerator`` builds its next step.
         The rest are ``BatchGenerator``'s.
     """
 
@@ -164,6 +179,7 @@ class SpeculativeBatchGenerator:
         num_draft_tokens: Optional[int] = None,
         policy=None,
         compact_waste: int = 64,
+        pipeline: bool = True,
     ):
         self.model = model
         self.drafter = drafter
@@ -179,12 +195,15 @@ class SpeculativeBatchGenerator:
         if getattr(self.policy, "costs", False) is None:
             self.policy.costs = self.measured_costs
         self.compact_waste = compact_waste
+        self.pipeline = pipeline
         self._stream = stream or generation_stream
         self._default_stop_sequences = StopSequences(stop_tokens or None)
         self._uid_count = 0
         self._pending = deque()
         self._prefill = Rows()
+        self._joining = Rows()  # prefilled, waiting for no round in flight
         self._generation = Rows()
+        self._in_flight = None  # a launched round not yet read
         self._counters = BatchCounters()
         self._max_rollback = drafter.max_draft_tokens + 1
         self._windows = [
@@ -288,10 +307,13 @@ class SpeculativeBatchGenerator:
         self._uid_count += n
         return [s.uid for s in sequences]
 
+    def _groups(self):
+        return (self._generation, self._joining, self._prefill)
+
     def _where(self, uid):
-        for rows in (self._generation, self._prefill):
+        for rows in self._groups():
             for i, s in enumerate(rows.sequences):
-                if s.uid == uid:
+                if s.uid == uid and not s.finished:
                     return rows, i
         for s in self._pending:
             if s.uid == uid:
@@ -314,7 +336,12 @@ class SpeculativeBatchGenerator:
         caches = self.extract_cache(uids) if return_prompt_caches else {}
         uids = set(uids)
         self._pending = deque(s for s in self._pending if s.uid not in uids)
-        for rows in (self._prefill, self._generation):
+        for rows in self._groups():
+            if rows is self._generation and self._in_flight is not None:
+                # Its rows leave once the round in flight is read.
+                for s in rows.sequences:
+                    s.finished = s.finished or s.uid in uids
+                continue
             keep = [i for i, s in enumerate(rows.sequences) if s.uid not in uids]
             if len(keep) < len(rows):
                 rows.keep(keep)
@@ -323,7 +350,7 @@ class SpeculativeBatchGenerator:
     @property
     def prompt_cache_nbytes(self) -> int:
         total = sum(c.nbytes for s in self._pending for c in (s.cache or ()))
-        for rows in (self._prefill, self._generation):
+        for rows in self._groups():
             total += sum(c.nbytes for c in rows.caches())
         return total
 
@@ -346,16 +373,18 @@ class SpeculativeBatchGenerator:
         generation_responses = []
         if len(self._generation):
             tic = time.perf_counter()
-            generation_responses = self._round()
+            generation_responses = self._step()
             self._counters.decode_time += time.perf_counter() - tic
             self._counters.generation_tokens += len(generation_responses)
             self._counters.generation_steps += 1
-        if len(self._generation) >= self.completion_batch_size:
+        self._join()
+        busy = len(self._generation) + len(self._joining)
+        if busy >= self.completion_batch_size:
             return [], generation_responses
 
         room = min(
             self.prefill_batch_size - len(self._prefill),
-            self.completion_batch_size - len(self._generation) - len(self._prefill),
+            self.completion_batch_size - busy - len(self._prefill),
         )
         if room > 0 and self._pending:
             joining = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
@@ -373,10 +402,18 @@ class SpeculativeBatchGenerator:
                     PromptProcessingBatch.Response(s.uid, (s.total, s.total), True, True)
                 )
             generation_responses += self._first_step(started)
-            self._generation.extend(started)
+            self._joining.extend(started)
+            self._join()
         if len(self._prefill):
             prompt_responses += self._prefill_chunk()
         return prompt_responses, generation_responses
+
+    def _join(self):
+        """Prefilled sequences join the batch between rounds, when no round
+        is in flight."""
+        if self._in_flight is None and len(self._joining):
+            self._generation.extend(self._joining)
+            self._joining = Rows()
 
     def _rows_for(self, sequences: List[Sequence]) -> Rows:
         """Batch caches for sequences joining, from their prompt caches."""
@@ -473,7 +510,7 @@ class SpeculativeBatchGenerator:
         )
 
     def _choose_drafts(self, rows: Rows) -> List[int]:
-        caps = [min(s.num_draft_tokens, s.remaining - 1) for s in rows.sequences]
+        caps = [max(0, min(s.num_draft_tokens, s.remaining - 1)) for s in rows.sequences]
         rates = [s.acceptance.rates() for s in rows.sequences]
         depth = max(len(s.tokens) for s in rows.sequences)
         k = self.policy.choose(rates, caps, depth)
@@ -520,13 +557,49 @@ class SpeculativeBatchGenerator:
         )
         return proposal.tokens, proposal.confidence
 
-    def _round(self):
-        """One draft-and-verify round for every generating sequence."""
+    def _step(self):
+        """Read one round; before that, launch the next one when nothing
+        has to wait for the host (see ``_can_overlap``)."""
+        if self._in_flight is None:
+            self._in_flight = self._launch(self._anchors())
+        ahead = None
+        if self._can_overlap():
+            ahead = self._launch(self._in_flight.anchors)
+        responses = self._collect(self._in_flight, reuse=ahead is None)
+        self._in_flight = ahead
+        if ahead is None:
+            rows = self._generation
+            rows.keep([b for b, s in enumerate(rows.sequences) if not s.finished])
+            rows.compact(self.compact_waste)
+        return responses
+
+    def _can_overlap(self) -> bool:
+        """Whether the next round can be built before this one is read:
+        the batch stays as it is (nobody finished, removed or joining), no
+        sequence's logits processors need its tokens on the host, no
+        sequence is so near its budget that what this round emits limits
+        the next one's drafts, and no cache needs packing (which needs the
+        host's lengths)."""
         rows = self._generation
-        sequences = rows.sequences
+        return (
+            self.pipeline
+            and not len(self._joining)
+            and all(
+                not s.finished and not s.decoding.processors
+                and s.remaining > s.num_draft_tokens
+                for s in rows.sequences
+            )
+            and not rows.wasteful(self.compact_waste)
+        )
+
+    def _launch(self, anchors: mx.array) -> "Launched":
+        """Build one draft-and-verify round for every generating sequence
+        from the anchors (on the device) and start it; each row's rollback
+        and next anchor are computed on the device too."""
+        rows = self._generation
+        sequences = list(rows.sequences)
         drafts_per_row = self._choose_drafts(rows)
         k = max(drafts_per_row)
-        anchors = self._anchors()
         contexts = [s.context() for s in sequences]
         proposal = None
         if k:
@@ -539,81 +612,101 @@ class SpeculativeBatchGenerator:
         else:
             inputs = anchors[:, None]
         out = self._forward(rows, inputs)
-        verdicts = self._judge(sequences, proposal, out.logits, drafts_per_row, contexts)
-        drafted = proposal.tokens.tolist() if k else [[] for _ in sequences]
+        log_probs, accepted, tokens = self._judge(
+            sequences, proposal, out.logits, drafts_per_row, contexts
+        )
+        # Each row keeps its anchor and accepted drafts; the drafter takes in
+        # the taps of what it kept.
+        rejected = k - accepted
+        for c in rows.target_cache:
+            c.rollback(rejected)
+        self.drafter.commit(rows.draft_cache, out.hidden)
+        for c in rows.draft_cache:
+            c.rollback(rejected)
+        launched = Launched(
+            sequences, drafts_per_row, proposal, log_probs, accepted, tokens,
+            anchors=mx.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0],
+        )
+        for s, n in zip(sequences, drafts_per_row):
+            s.in_flight += n + 1
+        mx.async_eval(launched.outputs(), launched.anchors, [c.state for c in rows.caches()])
+        return launched
+
+    def _collect(self, launched: "Launched", reuse: bool):
+        """The responses of a launched round, once the device has it: each
+        sequence emits its accepted drafts and the target's next token, up
+        to a stop or its budget."""
+        mx.eval(launched.outputs())
+        k = launched.k
+        accepted = launched.accepted.tolist()
+        tokens = launched.tokens.tolist()
+        proposal = launched.proposal
+        drafted = proposal.tokens.tolist() if k else [[] for _ in accepted]
         confidence = (
             proposal.confidence.tolist()
             if k and proposal.confidence is not None
-            else [None] * len(sequences)
+            else [None] * len(accepted)
         )
-
-        responses, trims, finished = [], [], []
-        for b, (s, (accepted, tokens, log_probs)) in enumerate(zip(sequences, verdicts)):
-            n = drafts_per_row[b]
-            tokens = tokens[: accepted + 1]
+        rows, responses = self._generation, []
+        for b, s in enumerate(launched.sequences):
+            s.in_flight -= launched.drafts_per_row[b] + 1
+            if s.finished:
+                continue
+            n = launched.drafts_per_row[b]
             emitted, reason = [], None
-            for t in tokens:
+            for t in tokens[b][: accepted[b] + 1]:
                 emitted.append(t)
                 s.emitted += 1
                 reason = self._finish_reason(s, t)
                 if reason:
                     break
-            kept = min(accepted, len(emitted))
-            next_token = emitted[-1] if len(emitted) > accepted else None
+            kept = min(accepted[b], len(emitted))
+            next_token = emitted[-1] if len(emitted) > accepted[b] else None
             verified = n if next_token is not None else kept
             self._record(s, n, kept, verified, next_token, drafted[b], confidence[b])
             # Cached now: the anchor and every emitted token but the last.
             s.tokens += [s.anchor] + emitted[:-1]
-            trims.append(1 + k - len(emitted))
+            s.anchor = emitted[-1]
+            s.finished = reason is not None
             for i, t in enumerate(emitted):
                 last = i == len(emitted) - 1
-                responses.append((b, s, t, log_probs[i], reason if last else None))
-            s.anchor = emitted[-1]
-            if reason:
-                finished.append(b)
-
-        for c in rows.target_cache:
-            c.trim_rows(trims)
-        # The drafter takes in the taps of what each row kept.
-        self.drafter.commit(rows.draft_cache, out.hidden)
-        for c in rows.draft_cache:
-            c.trim_rows(trims)
-        result = [self._response(rows, b, s, t, lp, r) for b, s, t, lp, r in responses]
-        if finished:
-            rows.keep([b for b in range(len(rows)) if b not in finished])
-        rows.compact(self.compact_waste)
-        return result
+                responses.append(
+                    self._response(rows, b, s, t, launched.log_probs[b][i], reason if last else None)
+                )
+        rows.settle([k - a for a in accepted], reuse)
+        return responses
 
     def _judge(self, sequences, proposal, logits, drafts_per_row, contexts):
-        """Each sequence's ``(accepted, tokens, log_probs)``: the plain-greedy
-        ones in one batched verdict, the others each under its own rule;
-        one evaluation for all of them."""
+        """Each row's processed log-probabilities, its accepted count and
+        ``k + 1`` tokens to emit a prefix of, all on the device: the
+        plain-greedy rows in one batched verdict, the others each under its
+        own rule."""
         k = max(drafts_per_row)
         drafts = proposal.tokens if k else mx.zeros((len(sequences), 0), mx.uint32)
+        counts = mx.array(drafts_per_row)
         greedy = [b for b, s in enumerate(sequences) if s.decoding.plain_greedy]
-        others = [b for b, s in enumerate(sequences) if not s.decoding.plain_greedy]
-        verdicts, lazy = [None] * len(sequences), {}
+        if len(greedy) == len(sequences):
+            log_probs, accepted, tokens = judge_greedy(drafts, logits, counts)
+            return log_probs, accepted, tokens
+        log_probs, accepted, tokens = [None] * len(sequences), [], []
         if greedy:
             index = mx.array(greedy)
-            counts = mx.array([drafts_per_row[b] for b in greedy])
-            group = judge_greedy(drafts[index], logits[index], counts)
-        for b in others:
-            n = drafts_per_row[b]
-            draft_log_probs = proposal.log_probs[b] if k and proposal.log_probs is not None else None
-            lazy[b] = sequences[b].decoding.judge(
-                drafts[b, :n], draft_log_probs, logits[b, : n + 1], contexts[b],
-                sequences[b].num_draft_tokens + 1,
-            )
-        # The statistics read the drafts and confidences: one evaluation.
-        confidence = proposal.confidence if k else None
-        mx.eval(group[1:] if greedy else [], [v[1:] for v in lazy.values()], drafts, confidence)
-        if greedy:
-            log_probs, accepted, tokens = group
-            for i, (a, t) in enumerate(zip(accepted.tolist(), tokens.tolist())):
-                verdicts[greedy[i]] = (a, t, log_probs[i])
-        for b, (log_probs, accepted, tokens) in lazy.items():
-            verdicts[b] = (accepted.item(), tokens.tolist(), log_probs)
-        return verdicts
+            group = judge_greedy(drafts[index], logits[index], counts[index])
+        for b, s in enumerate(sequences):
+            if b in greedy:
+                i = greedy.index(b)
+                log_probs[b], a, t = (x[i] for x in group)
+            else:
+                n = drafts_per_row[b]
+                draft_log_probs = proposal.log_probs[b] if k and proposal.log_probs is not None else None
+                log_probs[b], a, t = s.decoding.judge(
+                    drafts[b, :n], draft_log_probs, logits[b, : n + 1], contexts[b],
+                    s.num_draft_tokens + 1,
+                )
+                t = mx.pad(t.astype(mx.uint32), (0, k - n))
+            accepted.append(a)
+            tokens.append(t)
+        return log_probs, mx.stack(accepted).astype(mx.int32), mx.stack(tokens)
 
     def _record(self, s, proposed, accepted, verified, next_token, drafts, confidence):
         s.acceptance.update(proposed, accepted)
@@ -633,6 +726,29 @@ class SpeculativeBatchGenerator:
                 predicted=predicted,
             )
         )
+
+
+@dataclass
+class Launched:
+    """A round built and started on the device, not yet read by the host."""
+
+    sequences: List[Sequence]
+    drafts_per_row: List[int]
+    proposal: Any  # the drafter's Proposal, None in a round without drafts
+    log_probs: Any  # row b's [n_b + 1, V] processed log-probabilities at [b]
+    accepted: mx.array  # [B]
+    tokens: mx.array  # [B, k + 1]
+    anchors: mx.array  # [B]: the next round's anchors
+
+    @property
+    def k(self) -> int:
+        return max(self.drafts_per_row)
+
+    def outputs(self) -> list:
+        """What the host reads: the verdict, and the drafts and confidences
+        for the statistics."""
+        proposal = [self.proposal.tokens, self.proposal.confidence] if self.k else []
+        return [self.accepted, self.tokens, *(x for x in proposal if x is not None)]
 
 
 def _batch_draw(draws):
