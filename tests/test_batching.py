@@ -351,6 +351,67 @@ def test_policy_parks_when_verifying_more_rows_costs_too_much():
     assert not any(policy.choose(rates, [4] * 8, 100) for _ in range(32))
 
 
+def test_policy_parks_when_drafting_rounds_really_take_longer():
+    """Measured costs say drafting pays (about 1.9x), but the rounds that
+    draft take three times what was measured and plain ones what was
+    measured: the policy parks, re-probes every 16 parked rounds, and drafts
+    again once a probe comes back as fast as measured."""
+    costs = RoundCosts(draft=0.002, verify=[0.010] * 5)
+    rates = [[0.6] * 4] * 4
+    policy = BatchPolicy(lambda batch, depth: costs)
+
+    def round_(slowdown):
+        k = policy.choose(rates, [4] * 4, 100)
+        predicted = costs.verify[k] + (costs.draft if k else 0.0)
+        policy.observe(predicted * (slowdown if k else 1.0))
+        return k
+
+    assert round_(3.0) == 4  # on paper
+    choices = [round_(3.0) for _ in range(48)]
+    assert [i for i, k in enumerate(choices) if k] == [15, 31, 47]
+    # Drafting became as fast as measured: a few probes bring it back.
+    after = [round_(1.0) for _ in range(120)]
+    assert after[-10:] == [4] * 10
+
+
+def test_policy_tries_a_plain_round_when_it_never_ran_one():
+    """Rounds that draft every time never tell the policy what a plain
+    round really costs: every 16th drafting round is plain until one was
+    observed."""
+    costs = RoundCosts(draft=0.002, verify=[0.010] * 5)
+    policy = BatchPolicy(lambda batch, depth: costs)
+    choices = []
+    for _ in range(40):
+        choices.append(policy.choose([[0.6] * 4], [4], 100))
+        policy.observe(0.01)
+    assert choices[15] == 0 and choices.count(0) == 1
+
+
+def test_the_generator_reports_each_rounds_time_to_the_policy():
+    """Every round read is reported once, in the order chosen, pipelined or
+    not: the policy learns from realised times."""
+    model, drafter = trained("gemma4")
+
+    class Recording(FixedPolicy):
+        def __init__(self):
+            self.chosen, self.observed = [], []
+
+        def choose(self, rates, caps, depth):
+            self.chosen.append(super().choose(rates, caps, depth))
+            return self.chosen[-1]
+
+        def observe(self, seconds):
+            self.observed.append(seconds)
+
+    for pipeline in (False, True):
+        policy = Recording()
+        generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=pipeline)
+        stats = SpeculativeStats(drafter.name, drafter.block_size)
+        run(generator, [(0, [5, 6, 7, 8, 9], dict(max_tokens=[40], stats=[stats]))])
+        assert len(policy.observed) == len(policy.chosen) == len(stats.history)
+        assert all(seconds > 0 for seconds in policy.observed)
+
+
 def test_policy_choice_depends_on_batch_size():
     """The same acceptance, costs that grow with the batch: more drafts for
     one sequence than for sixteen."""

@@ -212,6 +212,7 @@ class SpeculativeBatchGenerator:
         ]
         self._num_draft_caches = len(drafter.make_cache())
         self._cost_profile = None
+        self._measuring = 0.0  # seconds spent measuring costs
 
     @property
     def stream(self):
@@ -538,7 +539,10 @@ class SpeculativeBatchGenerator:
         if batch in measured:
             return measured[batch]
         if batch & (batch - 1) == 0 or not measured:
-            return profile.costs(depth, timer, batch)
+            tic = time.perf_counter()
+            costs = profile.costs(depth, timer, batch)
+            self._measuring += time.perf_counter() - tic
+            return costs
         return interpolate(measured, batch)
 
     def _anchors(self) -> mx.array:
@@ -559,13 +563,18 @@ class SpeculativeBatchGenerator:
 
     def _step(self):
         """Read one round; before that, launch the next one when nothing
-        has to wait for the host (see ``_can_overlap``)."""
+        has to wait for the host (see ``_can_overlap``). The policy learns
+        how long the round took (measuring costs aside)."""
+        tic, measuring = time.perf_counter(), self._measuring
         if self._in_flight is None:
             self._in_flight = self._launch(self._anchors())
         ahead = None
         if self._can_overlap():
             ahead = self._launch(self._in_flight.anchors)
         responses = self._collect(self._in_flight, reuse=ahead is None)
+        observe = getattr(self.policy, "observe", None)
+        if observe is not None:
+            observe(time.perf_counter() - tic - (self._measuring - measuring))
         self._in_flight = ahead
         if ahead is None:
             rows = self._generation

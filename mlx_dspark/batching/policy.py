@@ -9,11 +9,19 @@ expected tokens per second for the whole batch. As the batch grows, the
 verify of ``k + 1`` rows per sequence costs more against one row, and the
 best ``k`` falls towards 0.
 
+The measured costs time each forward on its own; a round in the generator
+also pays the host's work, the drafter taking in what was kept, and gains
+from rounds overlapping. So the policy also learns, per batch size, how
+long rounds with and without drafts really take against what the
+measurements predicted (``observe``), and scales the costs by it: a batch
+where drafting looks cheap on paper but is slow in practice parks.
+
 Losslessness when sampling (paper, Appendix A): the choice uses only what
 was known before the round's drafts were drawn, namely the earlier rounds'
-acceptance and the measured costs.
+acceptance and times, and the measured costs.
 """
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
@@ -22,6 +30,9 @@ from ..confidence.costs import RoundCosts
 # Every this many rounds at k = 0, one round drafts again: acceptance
 # changes over a conversation, and a parked policy learns nothing new.
 REPROBE_EVERY = 16
+
+# How much each new round's time weighs in the realised/predicted ratios.
+RATIO_WEIGHT = 0.2
 
 
 @dataclass
@@ -98,7 +109,8 @@ def best_drafts(
 
 
 class BatchPolicy:
-    """Chooses each round's number of drafts from measured round costs.
+    """Chooses each round's number of drafts from measured round costs,
+    corrected by the rounds' realised times.
 
     Args:
         costs: ``costs(batch, depth) -> RoundCosts`` for a batch of
@@ -112,22 +124,62 @@ class BatchPolicy:
     def __init__(self, costs: Optional[Callable[[int, int], RoundCosts]] = None):
         self.costs = costs
         self.parked = 0
+        self.drafting = 0
+        # (batch size, drafted) -> realised / predicted seconds of a round.
+        self.ratios = {}
+        # (batch size, drafted, predicted seconds) of each round chosen and
+        # not yet observed, oldest first.
+        self._chosen = deque()
 
     def choose(self, rates, caps, depth: int) -> int:
         if not caps or max(caps) == 0:
+            self._chosen.append(None)
             return 0
-        costs = self.costs(len(caps), depth)
+        batch = len(caps)
+        measured = self.costs(batch, depth)
+        costs = self.realised(measured, batch)
         k = best_drafts(rates, caps, costs)
         if k:
             self.parked = 0
-            return k
-        # Parked. Probe now and then, with the drafts that would pay if
-        # every draft were accepted; none would: nothing to learn.
-        hopeful = best_drafts([[1.0] * max(caps)] * len(caps), caps, costs)
-        self.parked += 1
-        if hopeful and self.parked % REPROBE_EVERY == 0:
-            return hopeful
-        return 0
+            self.drafting += 1
+            # A batch that never ran plain does not know what that really
+            # costs: try one plain round now and then.
+            if (batch, False) not in self.ratios and self.drafting % REPROBE_EVERY == 0:
+                k = 0
+        else:
+            # Parked. Probe now and then, with the drafts that would pay if
+            # every draft were accepted; none would: nothing to learn.
+            hopeful = best_drafts([[1.0] * max(caps)] * batch, caps, costs)
+            self.parked += 1
+            if hopeful and self.parked % REPROBE_EVERY == 0:
+                k = hopeful
+        predicted = measured.verify[k] + (measured.draft if k else 0.0)
+        self._chosen.append((batch, k > 0, predicted))
+        return k
+
+    def realised(self, costs: RoundCosts, batch: int) -> RoundCosts:
+        """``costs`` scaled by how long this batch size's rounds really took
+        against them, with drafts and without."""
+        drafting = self.ratios.get((batch, True), 1.0)
+        plain = self.ratios.get((batch, False), 1.0)
+        return RoundCosts(
+            draft=costs.draft * drafting,
+            verify=[costs.verify[0] * plain] + [v * drafting for v in costs.verify[1:]],
+        )
+
+    def observe(self, seconds: float) -> None:
+        """The realised time of the oldest round chosen and not yet
+        observed (the generator reads rounds in the order they were
+        chosen)."""
+        chosen = self._chosen.popleft() if self._chosen else None
+        if chosen is None:
+            return
+        batch, drafted, predicted = chosen
+        ratio = seconds / predicted
+        old = self.ratios.get((batch, drafted))
+        self.ratios[(batch, drafted)] = (
+            ratio if old is None else (1 - RATIO_WEIGHT) * old + RATIO_WEIGHT * ratio
+        )
 
 
 class FixedPolicy:
