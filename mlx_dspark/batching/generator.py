@@ -204,6 +204,9 @@ class SpeculativeBatchGenerator:
         self._joining = Rows()  # prefilled, waiting for no round in flight
         self._generation = Rows()
         self._in_flight = None  # a launched round not yet read
+        # The generating rows' taps from rounds without drafts, not yet
+        # taken in by the drafter (see ``_commit_parked``).
+        self._parked_taps = []
         self._counters = BatchCounters()
         self._max_rollback = drafter.max_draft_tokens + 1
         self._windows = [
@@ -324,6 +327,7 @@ class SpeculativeBatchGenerator:
     def extract_cache(self, uids):
         """``{uid: (caches, tokens)}``, single-sequence caches holding
         exactly ``tokens``."""
+        self._commit_parked()
         results = {}
         for uid in uids:
             rows, where = self._where(uid)
@@ -335,6 +339,7 @@ class SpeculativeBatchGenerator:
 
     def remove(self, uids, return_prompt_caches=False):
         caches = self.extract_cache(uids) if return_prompt_caches else {}
+        self._commit_parked()
         uids = set(uids)
         self._pending = deque(s for s in self._pending if s.uid not in uids)
         for rows in self._groups():
@@ -413,6 +418,7 @@ class SpeculativeBatchGenerator:
         """Prefilled sequences join the batch between rounds, when no round
         is in flight."""
         if self._in_flight is None and len(self._joining):
+            self._commit_parked()
             self._generation.extend(self._joining)
             self._joining = Rows()
 
@@ -556,6 +562,7 @@ class SpeculativeBatchGenerator:
         return out.logits, out.hidden
 
     def _time_draft(self):
+        self._commit_parked()
         proposal = self.drafter.propose_batch(
             self._generation.draft_cache, self._anchors(), self.drafter.max_draft_tokens
         )
@@ -578,6 +585,7 @@ class SpeculativeBatchGenerator:
         self._in_flight = ahead
         if ahead is None:
             rows = self._generation
+            self._commit_parked()
             rows.keep([b for b, s in enumerate(rows.sequences) if not s.finished])
             rows.compact(self.compact_waste)
         return responses
@@ -612,6 +620,7 @@ class SpeculativeBatchGenerator:
         contexts = [s.context() for s in sequences]
         proposal = None
         if k:
+            self._commit_parked()
             draws = [s.decoding.draw_for(c) for s, c in zip(sequences, contexts)]
             draw = None if all(d is None for d in draws) else _batch_draw(draws)
             proposal = self.drafter.propose_batch(rows.draft_cache, anchors, k, draw)
@@ -624,14 +633,19 @@ class SpeculativeBatchGenerator:
         log_probs, accepted, tokens = self._judge(
             sequences, proposal, out.logits, drafts_per_row, contexts
         )
-        # Each row keeps its anchor and accepted drafts; the drafter takes in
-        # the taps of what it kept.
-        rejected = k - accepted
-        for c in rows.target_cache:
-            c.rollback(rejected)
-        self.drafter.commit(rows.draft_cache, out.hidden)
-        for c in rows.draft_cache:
-            c.rollback(rejected)
+        if k:
+            # Each row keeps its anchor and accepted drafts; the drafter
+            # takes in the taps of what it kept.
+            rejected = k - accepted
+            for c in rows.target_cache:
+                c.rollback(rejected)
+            self.drafter.commit(rows.draft_cache, out.hidden)
+            for c in rows.draft_cache:
+                c.rollback(rejected)
+        else:
+            # Every row keeps its one token; the drafter takes the taps in
+            # when it is next needed, all rounds in one call.
+            self._parked_taps.append(out.hidden)
         launched = Launched(
             sequences, drafts_per_row, proposal, log_probs, accepted, tokens,
             anchors=mx.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0],
@@ -677,6 +691,8 @@ class SpeculativeBatchGenerator:
             s.tokens += [s.anchor] + emitted[:-1]
             s.anchor = emitted[-1]
             s.finished = reason is not None
+            if s.finished:
+                self._commit_parked()  # its caches are handed back
             for i, t in enumerate(emitted):
                 last = i == len(emitted) - 1
                 responses.append(
@@ -684,6 +700,16 @@ class SpeculativeBatchGenerator:
                 )
         rows.settle([k - a for a in accepted], reuse)
         return responses
+
+    def _commit_parked(self):
+        """The drafter takes in the taps of the rounds without drafts since
+        it last drafted, in one call (a parked batch pays no drafter work
+        per round). Needed before it drafts and before the batch's rows or
+        caches change or leave."""
+        if self._parked_taps:
+            taps = [mx.concatenate(t, axis=1) for t in zip(*self._parked_taps)]
+            self._parked_taps = []
+            self.drafter.commit(self._generation.draft_cache, taps)
 
     def _judge(self, sequences, proposal, logits, drafts_per_row, contexts):
         """Each row's processed log-probabilities, its accepted count and
