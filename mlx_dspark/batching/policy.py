@@ -127,6 +127,9 @@ class BatchPolicy:
         self.drafting = 0
         # (batch size, drafted) -> realised / predicted seconds of a round.
         self.ratios = {}
+        # The first round of each kind pays one-off work (the device
+        # compiling kernels for new shapes): not observed.
+        self._warm = set()
         # (batch size, drafted, predicted seconds) of each round chosen and
         # not yet observed, oldest first.
         self._chosen = deque()
@@ -175,6 +178,9 @@ class BatchPolicy:
         if chosen is None:
             return
         batch, drafted, predicted = chosen
+        if (batch, drafted) not in self._warm:
+            self._warm.add((batch, drafted))
+            return
         ratio = seconds / predicted
         old = self.ratios.get((batch, drafted))
         self.ratios[(batch, drafted)] = (
