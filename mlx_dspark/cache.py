@@ -13,11 +13,32 @@ behind have positions at or beyond ``offset``, so the causal mask hides them
 until they are overwritten by the same positions.
 """
 
+import math
 from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import _BaseCache
+from mlx_lm.models.cache import RotatingKVCache, _BaseCache
+
+
+def rollback_depth(cache) -> float:
+    """How many of its newest tokens ``cache`` can drop after any write: what
+    a verify may add at most (drafts plus one). Unbounded for a cache that
+    keeps all it holds, 0 for one that may overwrite what a rollback needs
+    (mlx-lm's ``RotatingKVCache`` once its window has filled) or that cannot
+    be trimmed."""
+    if hasattr(cache, "rollback_depth"):
+        return cache.rollback_depth()
+    if isinstance(cache, RotatingKVCache) or not cache.is_trimmable():
+        return 0
+    return math.inf
+
+
+def rollback_limit(cache) -> int:
+    """How many of its newest tokens ``cache`` can drop right now."""
+    if hasattr(cache, "rollback_limit"):
+        return cache.rollback_limit()
+    return cache.offset if cache.is_trimmable() else 0
 
 
 def check_window(window: Optional[int], asked: Optional[int]) -> None:
@@ -156,6 +177,9 @@ class SlidingWindowKVCache(_BaseCache):
         self._end = max(self._end, o + n)
         self.offset += n
         return fetched or (self.keys, self.values)
+
+    def rollback_depth(self) -> int:
+        return self.max_rollback
 
     def rollback_limit(self) -> int:
         """How many of the newest tokens can be trimmed right now."""

@@ -1,14 +1,17 @@
 """Rollback of the target's caches at any context length."""
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from mlx_dspark.cache import SlidingWindowKVCache
+from mlx_dspark.batching.cache import BatchRollbackKVCache
+from mlx_dspark.cache import SlidingWindowKVCache, rollback_depth, rollback_limit
 from mlx_dspark.plugins import find_target_adapter
 
 from tiny import tiny_gemma4, tiny_qwen3
@@ -135,3 +138,23 @@ def test_mlx_lm_rotating_cache_cannot_roll_back_once_wrapped():
     for _ in range(5):
         cache.update_and_fetch(mx.zeros((1, 1, 1, 2)), mx.zeros((1, 1, 1, 2)))
     assert not cache.is_trimmable()
+
+
+def test_one_rollback_contract_for_every_cache_kind():
+    """``rollback_depth`` (what a cache can drop after any write) and
+    ``rollback_limit`` (what it can drop now) answer for mlx-lm's caches and
+    ours alike; the engine, the server and the prompt-cache checks all ask
+    them."""
+    keys = mx.zeros((1, 1, 10, 4))
+    full = KVCache()
+    full.update_and_fetch(keys, keys)
+    assert rollback_depth(full) == math.inf and rollback_limit(full) == 10
+    rotating = RotatingKVCache(max_size=4)
+    rotating.update_and_fetch(keys[:, :, :2], keys[:, :, :2])
+    assert rollback_depth(rotating) == 0  # not yet wrapped, but it will
+    assert rollback_depth(ArraysCache(1)) == 0 and rollback_limit(ArraysCache(1)) == 0
+    ring = SlidingWindowKVCache(window=4, max_rollback=3)
+    ring.update_and_fetch(keys, keys)
+    assert rollback_depth(ring) == 3 and rollback_limit(ring) == ring.rollback_limit() == 3
+    assert rollback_depth(BatchRollbackKVCache(4, 3)) == 3
+    assert rollback_depth(BatchRollbackKVCache(None, 3)) == math.inf

@@ -183,6 +183,9 @@ class BatchRollbackKVCache(_BaseCache):
     def is_trimmable(self) -> bool:
         return True
 
+    def rollback_depth(self) -> float:
+        return self.max_rollback if self.window is not None else float("inf")
+
     def _capacity(self) -> float:
         """The most positions a row keeps once compacted."""
         if self.window is None:

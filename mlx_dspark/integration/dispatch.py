@@ -13,7 +13,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
 
-from ..cache import SlidingWindowKVCache
+from ..cache import rollback_depth
 from ..checkpoints import load_drafter, read_config
 from ..plugins import drafter_kinds, find_target_adapter
 from ..spec import engine
@@ -150,9 +150,9 @@ def two_model_step(
     split = len(model.layers)
     target_cache, draft_cache = prompt_cache[:split], prompt_cache[split:]
     shallow = [
-        c.max_rollback
-        for c in target_cache + draft_cache
-        if isinstance(c, SlidingWindowKVCache) and c.max_rollback < num_draft_tokens + 1
+        d
+        for d in map(rollback_depth, target_cache + draft_cache)
+        if d < num_draft_tokens + 1
     ]
     if shallow:
         raise ValueError(

@@ -6,6 +6,7 @@ log. Requests without a draft model never get here (see ``hooks``)."""
 import copy
 import logging
 
+from ..cache import rollback_limit
 from .dispatch import StatsSlot, is_drafter, local, rollback_caches
 from .hooks import server_options
 
@@ -16,15 +17,7 @@ SERVER_ROLLBACK = 32
 
 def reach(cache) -> int:
     """How many of the newest tokens every cache in ``cache`` can drop."""
-    limits = []
-    for c in cache:
-        if hasattr(c, "rollback_limit"):
-            limits.append(c.rollback_limit())
-        elif c.is_trimmable():
-            limits.append(c.offset)
-        else:
-            limits.append(0)
-    return min(limits, default=0)
+    return min(map(rollback_limit, cache), default=0)
 
 
 def fetch_nearest_cache(lru, model, tokens):

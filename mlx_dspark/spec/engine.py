@@ -16,9 +16,7 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import RotatingKVCache
-
-from ..cache import SlidingWindowKVCache
+from ..cache import rollback_depth
 from ..confidence.calibration import survival
 from ..confidence.costs import live_timer, verify_rows
 from ..confidence.schedulers import scheduler_for
@@ -56,22 +54,20 @@ def _split_prompt_cache(prompt_cache, target, drafter, num_draft_tokens, rows):
         return target.make_cache(rows), drafter.make_cache()
     num_draft = len(drafter.make_cache())
     target_cache, draft_cache = prompt_cache[:-num_draft], prompt_cache[-num_draft:]
-    if any(isinstance(c, RotatingKVCache) for c in target_cache):
+    depths = [rollback_depth(c) for c in target_cache]
+    if min(depths, default=1) == 0:
         raise ValueError(
-            "This prompt cache cannot roll back rejected drafts once its sliding "
-            "window has filled (mlx_lm.models.cache.make_prompt_cache makes "
-            "RotatingKVCache); make it with mlx_dspark.make_prompt_cache(model, drafter)."
+            "This prompt cache cannot roll back rejected drafts (mlx_lm's "
+            "make_prompt_cache makes a RotatingKVCache for sliding-window layers, "
+            "which cannot once its window has filled); make it with "
+            "mlx_dspark.make_prompt_cache(model, drafter)."
         )
     if len(target_cache) != len(target.make_cache(1)):
         raise ValueError(
             "The prompt cache was not made for this target and drafter; make it "
             "with mlx_dspark.make_prompt_cache(model, drafter)."
         )
-    shallow = [
-        c.max_rollback
-        for c in target_cache
-        if isinstance(c, SlidingWindowKVCache) and c.max_rollback < num_draft_tokens + 1
-    ]
+    shallow = [d for d in depths if d < num_draft_tokens + 1]
     if shallow:
         raise ValueError(
             f"This prompt cache can roll back {min(shallow)} tokens, but verifying "
@@ -90,10 +86,7 @@ def _split_prompt_cache(prompt_cache, target, drafter, num_draft_tokens, rows):
 
 def _rollback_capacity(target_cache, rows: int) -> int:
     """The most rows a verify may have: what every cache can roll back."""
-    return min(
-        [c.max_rollback for c in target_cache if isinstance(c, SlidingWindowKVCache)],
-        default=rows,
-    )
+    return min([rows] + [rollback_depth(c) for c in target_cache])
 
 
 def _check_options(kv_bits):
