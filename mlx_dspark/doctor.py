@@ -6,9 +6,11 @@ drafter on this machine?
 2. The pair, from configs and tensor headers (no weights read).
 3. This machine's costs at a context depth: a decode step, a verify of
    1 ... 32 tokens, one round of drafts.
-4. For the drafter's measured acceptance (its calibration report) or a
-   typical one, the expected speedup per scheduler and number of drafts, and
-   a verdict.
+4. For the drafter's measured acceptance (rounds run on ``--prompts``, or
+   its calibration report) or a typical one, the expected speedup per
+   scheduler and number of drafts, and a verdict. The ``threshold``
+   scheduler is estimated by replaying its rule on the rounds run on
+   ``--prompts`` (it needs each round's confidences, not only averages).
 
 The estimate is ``τ(k) · T_decode / (T_draft + T_verify(k + 1))`` with
 ``τ(k) = 1 + Σ_{j<=k} a_j``, ``a_j`` the chance that drafts ``1..j`` all
@@ -29,6 +31,8 @@ MAX_VERIFY = 32
 TYPICAL_TAU, TYPICAL_DRAFTS = 3.3, 7
 # Below this expected speedup, speculation is not worth its memory and setup.
 WORTH_IT = 1.1
+# Confidence thresholds the threshold scheduler is estimated at.
+THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
 
 
 def conditional_for_tau(tau: float, drafts: int) -> float:
@@ -54,6 +58,48 @@ def measured_survival(calibration) -> Optional[List[float]]:
     report = (calibration.report or {}).get("fit") or {}
     rates = [p["accept_rate"] for p in report.get("before", [])]
     return rates or None
+
+
+def history_survival(history, positions: int) -> List[float]:
+    """``a_j``: the share of rounds verifying draft ``j`` that accepted
+    drafts ``1..j``."""
+    survival = []
+    for j in range(1, positions + 1):
+        verified = [r for r in history if r.proposed >= j]
+        survival.append(
+            sum(r.accepted >= j for r in verified) / len(verified) if verified else 0.0
+        )
+    return survival
+
+
+def threshold_estimates(rounds, costs: dict, thresholds=THRESHOLDS) -> List[dict]:
+    """The ``threshold`` scheduler's expected speedup at each threshold,
+    replayed on ``rounds`` run with every draft verified: a round verifies
+    its drafts up to the first with ``σ(z_k) < t`` and keeps those of them it
+    accepted (acceptance is a prefix, so the replay is exact for the rounds
+    it has)."""
+    import numpy as np
+
+    from .confidence.calibration import sigmoid
+
+    verify = np.asarray(costs["verify"])
+    rows = []
+    for t in thresholds:
+        confident = sigmoid(rounds.logits) >= t
+        lead = np.cumprod(confident, axis=1).sum(axis=1)
+        verified = np.minimum(lead, rounds.verified)
+        tokens = 1 + np.minimum(rounds.accepted, verified)
+        seconds = costs["draft"] + verify[verified]
+        rows.append(
+            {
+                "scheduler": "threshold",
+                "threshold": t,
+                "drafts": round(float(verified.mean()), 2),
+                "tau": round(float(tokens.mean()), 3),
+                "speedup": round(float(tokens.sum() * verify[0] / seconds.sum()), 3),
+            }
+        )
+    return rows
 
 
 def speedup(survival: Sequence[float], drafts: int, costs: dict) -> dict:
@@ -98,6 +144,8 @@ def verdict(rows: List[dict]) -> dict:
         flags = f"--num-draft-tokens {best['drafts']}"
     if best["scheduler"] == "cost":
         flags = "--draft-scheduler cost"
+    if best["scheduler"] == "threshold":
+        flags = f"--draft-scheduler threshold --draft-confidence-threshold {best['threshold']}"
     if best["speedup"] >= WORTH_IT:
         line = (
             f"Speculate: expect about {best['speedup']:.2f}x plain decoding "
@@ -171,7 +219,7 @@ def load_pair(model_path: str, draft_path: str, calibration: Optional[str]):
     except (OSError, ValueError) as e:
         raise ValueError(f"Cannot load the target {model_path}: {e}") from None
     target = adapt_target(model, drafter)
-    return model, drafter, target
+    return model, tokenizer, drafter, target
 
 
 def precision(fingerprint: dict) -> str:
@@ -261,10 +309,24 @@ def read_costs(path: str) -> dict:
     return {"decode": costs["verify"][0], **costs}
 
 
+def run_prompts(model, tokenizer, drafter, path: Path, max_tokens: int):
+    """Rounds of greedy generations on the prompts at ``path``, every draft
+    verified (as ``mlx_dspark calibrate`` collects them)."""
+    from .confidence.calibrate import collect, read_prompts
+    from .confidence.calibration import Rounds
+
+    options = argparse.Namespace(
+        temp=0.0, top_p=1.0, max_tokens=max_tokens, ignore_chat_template=False
+    )
+    collected = collect(model, tokenizer, drafter, read_prompts(path), options)
+    history = [r for stats in collected for r in stats.history]
+    return Rounds.from_history(history, drafter.block_size), history
+
+
 def diagnose(args) -> dict:
     report = {"install": check_install()}
     try:
-        model, drafter, target = load_pair(
+        model, tokenizer, drafter, target = load_pair(
             args.model, args.draft_model, args.draft_calibration
         )
     except (ValueError, OSError, RuntimeError) as e:
@@ -277,15 +339,27 @@ def diagnose(args) -> dict:
         costs = measure(model, drafter, target, args.depth, MAX_VERIFY)
     report["costs"] = costs
 
+    rounds = None
+    if args.prompts is not None:
+        rounds, history = run_prompts(model, tokenizer, drafter, args.prompts, args.max_tokens)
+        if not history:
+            raise ValueError(f"No round ran on {args.prompts}; give longer --max-tokens.")
     calibration = getattr(drafter, "calibration", None)
-    survival = measured_survival(calibration) if calibration else None
-    source = "calibration"
+    if rounds is not None and args.tau is None:
+        source = f"measured on {args.prompts}"
+        survival = history_survival(history, drafter.max_draft_tokens)
+    else:
+        survival = measured_survival(calibration) if calibration else None
+        source = "calibration"
     if survival is None or args.tau is not None:
         source = "typical" if args.tau is None else "--tau"
         survival = typical_survival(drafter.max_draft_tokens, args.tau or TYPICAL_TAU)
     report["acceptance"] = {"source": source, "survival": survival}
-    report["schedulers"] = estimate(survival, costs, report["pair"]["drafter"])
-    report["verdict"] = verdict(report["schedulers"])
+    rows = estimate(survival, costs, report["pair"]["drafter"])
+    if rounds is not None and len(rounds):
+        rows += threshold_estimates(rounds, costs)
+    report["schedulers"] = rows
+    report["verdict"] = verdict(rows)
     return report
 
 
@@ -327,8 +401,11 @@ def format_report(report: dict) -> str:
         + (" ..." if len(acceptance["survival"]) > 8 else "")
     )
     for row in report["schedulers"]:
+        name = row["scheduler"]
+        if name == "threshold":
+            name = f"threshold {row['threshold']}"
         lines.append(
-            f"  {row['scheduler']:<6} {row['drafts']:>2} drafts: tau {row['tau']:.2f}, "
+            f"  {name:<13} {row['drafts']:>4} drafts: tau {row['tau']:.2f}, "
             f"expected {row['speedup']:.2f}x"
         )
     lines.append(report["verdict"]["line"])
@@ -361,6 +438,19 @@ def parser() -> argparse.ArgumentParser:
         f"instead of the measured one (default without a calibration: "
         f"{TYPICAL_TAU}, DSpark on chat)",
     )
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        help="run the pair on these prompts (.jsonl with prompt/text/messages, "
+        "or a text file) to measure its acceptance, and estimate the threshold "
+        "scheduler from the rounds' confidences",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=128,
+        help="tokens to generate per prompt with --prompts (default 128)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     # Costs from a file instead of measuring them (tests, what-if questions).
     p.add_argument("--costs", help=argparse.SUPPRESS)
@@ -372,6 +462,8 @@ def main(argv=None) -> int:
     problem = None
     if args.depth < 1:
         problem = "--depth must be positive"
+    elif args.max_tokens < 1:
+        problem = "--max-tokens must be positive"
     elif args.tau is not None and not 1 <= args.tau <= TYPICAL_DRAFTS + 1:
         problem = f"--tau must be in [1, {TYPICAL_DRAFTS + 1}]"
     if problem is None:

@@ -7,9 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mlx_dspark import doctor
+from mlx_dspark.confidence.calibration import Rounds
 from mlx_dspark.distribution import DISTRIBUTION, providers
 from mlx_dspark.doctor import estimate, main, typical_survival, verdict
 
@@ -157,3 +159,46 @@ def test_a_second_distribution_providing_the_package_is_found(tmp_path, monkeypa
     assert providers() == [DISTRIBUTION]
     monkeypatch.syspath_prepend(str(tmp_path))
     assert providers() == [DISTRIBUTION, "other-dspark"]
+
+
+def test_the_threshold_scheduler_is_replayed_round_by_round():
+    """Each round verifies its drafts up to the first with σ(z) < t and
+    keeps the accepted ones among them; drafting is paid in every round."""
+    rounds = Rounds(
+        logits=np.array([[2.0, 1.0, -1.0], [-3.0, 2.0, 2.0], [4.0, 4.0, 4.0]]),
+        verified=np.array([3, 3, 2]),  # the last round ran out of budget
+        accepted=np.array([2, 1, 2]),
+    )
+    costs = {"draft": 1.0, "verify": [10.0, 12.0, 13.0, 15.0]}
+    (row,) = doctor.threshold_estimates(rounds, costs, thresholds=[0.5])
+    # Verified 2, 0 and 2 drafts; kept 2, 0 and 2.
+    assert row["drafts"] == pytest.approx(4 / 3, abs=0.01)
+    assert row["tau"] == pytest.approx(7 / 3, abs=1e-3)
+    assert row["speedup"] == pytest.approx(7 * 10.0 / (3 * 1.0 + 13 + 10 + 13), abs=1e-3)
+    # A threshold every draft passes is the fixed schedule on these rounds.
+    (everything,) = doctor.threshold_estimates(rounds, costs, thresholds=[0.0])
+    assert everything["tau"] == pytest.approx(1 + 5 / 3, abs=1e-3)
+
+
+def test_doctor_measures_acceptance_on_prompts_and_estimates_the_threshold_scheduler(
+    tmp_path,
+):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"draft": 1.0, "verify": [10.0] * 6}))
+    result = doctor_command(
+        "--model", TARGET, "--draft-model", DSPARK, "--json", "--costs", costs,
+        "--prompts", ROOT / "examples" / "calibration" / "tiny_prompts.txt",
+        "--max-tokens", 16,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["acceptance"]["source"].startswith("measured on")
+    survival = report["acceptance"]["survival"]
+    assert len(survival) == 4 and 1 >= survival[0] >= survival[-1] >= 0
+    thresholds = [r for r in report["schedulers"] if r["scheduler"] == "threshold"]
+    assert [r["threshold"] for r in thresholds] == list(doctor.THRESHOLDS)
+    # Higher thresholds verify fewer drafts.
+    drafts = [r["drafts"] for r in thresholds]
+    assert drafts == sorted(drafts, reverse=True) and drafts[0] <= 4
+    fixed = report["schedulers"][0]
+    assert fixed["tau"] == pytest.approx(1 + sum(survival), abs=1e-3)
