@@ -1,7 +1,8 @@
 """``mlx_dspark prepare`` / ``train`` / ``evaluate`` on the tiny Gemma-4
 target: the prepared data, frozen copies, exact resume, data parallelism
-(two processes through ``mlx.launch``) and a trained drafter that loads and
-decodes losslessly."""
+(two processes through ``mlx.launch``), gradient accumulation against
+DeepSpec's formula, bf16 training against float32, and a trained drafter that
+loads and decodes losslessly."""
 
 import json
 import os
@@ -16,16 +17,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-from mlx.utils import tree_flatten, tree_map
 
 import mlx_dspark
-from mlx_dspark.training import data
+from mlx_dspark.training import data, objective, optim
 from mlx_dspark.training.evaluate import evaluate
 from mlx_dspark.training.prepare import prepare
 from mlx_dspark.training.train import config_from, main, parser
-from mlx_dspark.training import objective, optim
 from mlx_dspark.training.trainer import Trainer, TrainConfig, batch_blocks, global_batch
 
 from conftest import DEEPSPEC_TINY
