@@ -278,7 +278,8 @@ class Trainer:
             self.restore(latest_checkpoint(self.out))
         self.log(
             f"Training a {self.config.variant} drafter: {len(self.train_ids)} sequences "
-            f"({len(self.held_ids)} held out), {self.total_steps} steps of {self.config.batch_size}, "
+            f"({len(self.held_ids)} held out), {self.total_steps} steps of {self.config.batch_size} "
+            f"in {self.config.grad_accum} micro-batch(es), {self.config.dtype}, "
             f"{self.world} process(es), from step {self.step}"
         )
         tic, tokens = time.perf_counter(), 0.0
