@@ -63,7 +63,7 @@ class ContextBlockAttention(nn.Module):
         output = mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=self.scale, mask=blocks.mask
         )
-        output = output * blocks.keep
+        output = output * blocks.keep.astype(output.dtype)
         return self.o_proj(output.transpose(0, 2, 1, 3).reshape(b, nB, -1))
 
     def __call__(self, x: mx.array, cache) -> mx.array:

@@ -33,6 +33,7 @@ def drafter_config(
     markov_rank: int = 256,
     markov_head_type: str = "vanilla",
     confidence_head: bool = True,
+    dtype: str = "float32",
 ) -> dict:
     """The drafter's config: the target's text config with DeepSpec's
     overrides (``markov_rank=0`` and no confidence head make a DFlash)."""
@@ -57,7 +58,7 @@ def drafter_config(
         num_anchors=num_anchors,
         enable_confidence_head=confidence_head,
         markov_rank=markov_rank,
-        dtype="float32",
+        dtype=dtype,
     )
     if family == "gemma4":
         config["layer_types"] = ["full_attention"] * num_layers

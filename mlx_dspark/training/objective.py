@@ -68,7 +68,7 @@ def forward(model, blocks: Blocks, features: mx.array) -> Outputs:
         features = hidden
         if model.args.confidence_head_with_markov:
             features = mx.concatenate([hidden, embeddings.astype(hidden.dtype)], -1)
-        confidence = model.confidence_head(features)
+        confidence = model.confidence_head(features).astype(mx.float32)
     return Outputs(hidden, logits, confidence)
 
 

@@ -1,13 +1,15 @@
 """DeepSpec's optimizer (``deepspec/utils/optim.py:BF16Optimizer``): AdamW on
-float32 parameters, a linear warmup then cosine decay, and the gradient
-clipping of ``clip_grad_norm_`` before each step."""
+float32 master copies of the trainable parameters, which are copied back to
+the model in its training dtype after each step; a linear warmup then cosine
+decay; and the gradient clipping of ``FSDP.clip_grad_norm_`` before each
+step."""
 
 import math
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.optimizers as optim
-from mlx.utils import tree_map
+from mlx.utils import tree_map, tree_reduce
 
 
 @dataclass
@@ -65,7 +67,26 @@ def average_gradients(grads):
 
 
 def clip(grads, max_norm: float):
-    """``torch.nn.utils.clip_grad_norm_``: scale by ``min(1, max/(norm+1e-6))``.
+    """``FSDP.clip_grad_norm_``: the norm of all gradients in float32, then
+    every gradient times ``min(1, max/(norm+1e-6))`` in its own dtype.
     Returns the clipped gradients, the norm and the coefficient."""
-    clipped, norm = optim.clip_grad_norm(grads, max_norm)
-    return clipped, norm, mx.minimum(max_norm / (norm + 1e-6), 1.0)
+    squares = tree_reduce(lambda total, g: total + mx.square(g.astype(mx.float32)).sum(), grads, 0.0)
+    norm = mx.sqrt(squares)
+    coef = mx.minimum(max_norm / (norm + 1e-6), 1.0)
+    return tree_map(lambda g: g * coef.astype(g.dtype), grads), norm, coef
+
+
+def master_copy(model):
+    """Float32 copies of the trainable parameters (``BF16Optimizer``'s
+    ``fp32_params``): the optimizer updates these."""
+    return tree_map(lambda p: p.astype(mx.float32), model.trainable_parameters())
+
+
+def step(optimizer, model, master, grads):
+    """One AdamW step on the float32 ``master`` with ``grads`` (cast to
+    float32), then the model takes the new masters in its own dtype.
+    Returns the new masters."""
+    master = optimizer.apply_gradients(tree_map(lambda g: g.astype(mx.float32), grads), master)
+    dtypes = tree_map(lambda p: p.dtype, model.trainable_parameters())
+    model.update(tree_map(lambda p, d: p.astype(d), master, dtypes))
+    return master

@@ -26,7 +26,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--markov-rank", type=int, default=256)
     p.add_argument("--markov-head-type", choices=["vanilla", "gated", "rnn"], default="vanilla")
     p.add_argument("--mask-token-id", type=int, help="default: 4 (Gemma's <mask>)")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step, over all processes")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step, over all processes")
+    p.add_argument(
+        "--grad-accum", type=int, default=1,
+        help="micro-batches per optimizer step (DeepSpec's gradient_accumulation_steps); "
+        "each process takes batch-size / grad-accum / processes sequences at a time",
+    )
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32",
+        help="training dtype: bfloat16 trains as DeepSpec does (bf16 model, float32 AdamW masters) "
+        "and saves a bf16 drafter",
+    )
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--steps", type=int, help="train this many steps instead of --epochs")
     p.add_argument("--lr", type=float, default=6e-4)
@@ -62,6 +72,8 @@ def config_from(args) -> TrainConfig:
         markov_head_type=args.markov_head_type,
         mask_token_id=args.mask_token_id,
         batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        dtype=args.dtype,
         epochs=args.epochs,
         steps=args.steps,
         holdout=args.holdout,
