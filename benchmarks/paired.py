@@ -8,7 +8,9 @@ speculative run on the same model and prompt, and the report gives the median
 
 Acceptance is replayed (see ``speculative.replayed_acceptance``): wall-clock
 is real, acceptance follows the paper's profiles (Table 1 Gemma-4-12B DSpark:
-tau ~ 6 on math, ~ 3.3 on chat). Writes JSON lines to ``--out`` and stdout.
+tau ~ 6 on math, ~ 3.3 on chat). Each row also has the round's phase
+timings (``speculative.phases``: host graph building, drafting, verifying,
+the verdict and the bookkeeping). Writes JSON lines to ``--out`` and stdout.
 """
 
 import argparse
@@ -22,13 +24,14 @@ from mlx_lm.generate import generate_step
 import mlx_dspark
 from mlx_dspark.progress import progress
 import shapes
-from speculative import components, replayed_acceptance
+from speculative import components, phases, replayed_acceptance
 from timing import backend
 
 DRAFTERS = {
     "dspark": dict(variant="dspark"),
     "dspark 8-bit": dict(variant="dspark", bits=8),
     "dspark 4-bit": dict(variant="dspark", bits=4),
+    "dflash": dict(variant="dflash"),
     "assistant": None,
 }
 
@@ -90,6 +93,9 @@ def main():
                         plain_tps, _ = throughput(plain)
                         spec_tps, _ = throughput(speculative)
                         runs.append((plain_tps, spec_tps))
+                    phase_ms = phases(
+                        model, drafter, prompt, args.max_tokens, drafter.block_size
+                    )
                 ratios = sorted(s / p for p, s in runs)
                 plain_tps = statistics.median(p for p, _ in runs)
                 bound = stats.tau / plain_tps / (t_verify + t_draft)
@@ -107,6 +113,7 @@ def main():
                     "speedup_over_bound": round(speedup / bound, 3),
                     "t_verify_ms": round(1000 * t_verify, 2),
                     "t_draft_ms": round(1000 * t_draft, 2),
+                    "round_phase_ms": phase_ms,
                     "context": args.context,
                     "max_tokens": args.max_tokens,
                     "acceptance": "replayed (synthetic); wall-clock real",
