@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx_lm import load
 
 import mlx_dspark
-from mlx_dspark.spec.sampling import mlx_lm_make_sampler
+from mlx_dspark.speculative.sampling import mlx_lm_make_sampler
 
 TINY = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "deepspec-tiny"
 

@@ -28,7 +28,7 @@ import mlx_dspark
 from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.batching.policy import BatchPolicy, FixedPolicy
 from mlx_dspark.progress import progress
-from mlx_dspark.spec.stats import SpeculativeStats
+from mlx_dspark.speculative.stats import SpeculativeStats
 
 import shapes
 from speculative import TINY, replayed_acceptance

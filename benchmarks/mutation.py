@@ -36,7 +36,7 @@ class Mutant:
     equivalent: Optional[str] = None
 
 
-SPEC = "mlx_dspark/spec/"
+SPEC = "mlx_dspark/speculative/"
 MUTANTS = [
     # The six the first round of mutation testing found uncaught (issue 15).
     Mutant(

@@ -34,8 +34,8 @@ from mlx_lm.generate import generate_step
 import mlx_dspark
 from mlx_dspark.doctor import conditional_for_tau
 from mlx_dspark.progress import progress
-from mlx_dspark.spec import decoding, engine
-from mlx_dspark.spec.engine import adapt_target
+from mlx_dspark.speculative import decoding, engine
+from mlx_dspark.speculative.engine import adapt_target
 
 import shapes
 from timing import backend, seconds

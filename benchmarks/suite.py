@@ -27,7 +27,7 @@ from speculative import generate, replayed_acceptance
 from timing import backend, seconds
 
 from mlx_dspark.progress import progress
-from mlx_dspark.spec.engine import adapt_target
+from mlx_dspark.speculative.engine import adapt_target
 
 DRAFTERS = {
     "dspark": dict(variant="dspark"),

@@ -14,11 +14,11 @@ _EXPORTS = {
     "stream_generate": "mlx_dspark.generation",
     "generate": "mlx_dspark.generation",
     "SpeculativeResponse": "mlx_dspark.generation",
-    "make_prompt_cache": "mlx_dspark.spec.engine",
-    "speculative_generate_step": "mlx_dspark.spec.engine",
-    "SpeculativeStats": "mlx_dspark.spec.stats",
-    "make_sampler": "mlx_dspark.spec.sampling",
-    "Round": "mlx_dspark.spec.stats",
+    "make_prompt_cache": "mlx_dspark.speculative.engine",
+    "speculative_generate_step": "mlx_dspark.speculative.engine",
+    "SpeculativeStats": "mlx_dspark.speculative.stats",
+    "make_sampler": "mlx_dspark.speculative.sampling",
+    "Round": "mlx_dspark.speculative.stats",
 }
 
 __all__ = [
@@ -45,6 +45,6 @@ def __getattr__(name):
 if TYPE_CHECKING:
     from .checkpoints import load_drafter
     from .generation import SpeculativeResponse, generate, stream_generate
-    from .spec.engine import make_prompt_cache, speculative_generate_step
-    from .spec.sampling import make_sampler
-    from .spec.stats import Round, SpeculativeStats
+    from .speculative.engine import make_prompt_cache, speculative_generate_step
+    from .speculative.sampling import make_sampler
+    from .speculative.stats import Round, SpeculativeStats

@@ -210,7 +210,7 @@ def load_pair(model_path: str, draft_path: str, calibration: Optional[str]):
     from mlx_lm import load
 
     from .checkpoints import load_drafter
-    from .spec.engine import adapt_target
+    from .speculative.engine import adapt_target
 
     options = {} if calibration is None else {"calibration": Path(calibration)}
     drafter = load_drafter(draft_path, lazy=True, **options)

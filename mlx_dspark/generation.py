@@ -11,8 +11,8 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .spec.engine import speculative_generate_step
-from .spec.stats import SpeculativeStats
+from .speculative.engine import speculative_generate_step
+from .speculative.stats import SpeculativeStats
 from .validation import check_drafter, check_max_tokens, problem
 
 

@@ -21,8 +21,8 @@ ACTIVATION_MODULES = {
     "mlx_dspark.activation",
     "mlx_dspark.integration",
     "mlx_dspark.integration.hooks",
-    "mlx_dspark.spec",
-    "mlx_dspark.spec.sampling",
+    "mlx_dspark.speculative",
+    "mlx_dspark.speculative.sampling",
 }
 
 

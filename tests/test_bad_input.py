@@ -217,7 +217,7 @@ def test_prompt_cache_made_for_a_smaller_block(tiny_pair):
     """A cache that cannot roll back a whole verify is refused before any
     token is produced."""
     model, _, drafter = tiny_pair
-    from mlx_dspark.spec.engine import adapt_target
+    from mlx_dspark.speculative.engine import adapt_target
 
     cache = adapt_target(model, drafter).make_cache(2) + drafter.make_cache()
     steps = speculative_generate_step(

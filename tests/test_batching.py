@@ -25,8 +25,8 @@ from mlx_dspark.batching.policy import (
 )
 from mlx_dspark.cache import SlidingWindowKVCache
 from mlx_dspark.confidence.costs import RoundCosts, RoundTimer
-from mlx_dspark.spec.sampling import make_sampler
-from mlx_dspark.spec.stats import SpeculativeStats
+from mlx_dspark.speculative.sampling import make_sampler
+from mlx_dspark.speculative.stats import SpeculativeStats
 
 from chisquare import goodness_of_fit
 from test_lossless import trained

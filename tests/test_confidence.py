@@ -40,7 +40,7 @@ from mlx_dspark.confidence.schedulers import (
     ThresholdScheduler,
     prefix_schedule,
 )
-from mlx_dspark.spec.acceptance import rejection_accept
+from mlx_dspark.speculative.acceptance import rejection_accept
 
 from chisquare import goodness_of_fit
 from conftest import DEEPSPEC_TINY
@@ -653,7 +653,7 @@ def test_a_drafts_confidence_never_sees_that_draft(tiny_pair):
     changes no confidence up to k (what makes the schedulers causal)."""
     _, drafter = tiny_pair
     model, _ = tiny_pair
-    from mlx_dspark.spec.engine import adapt_target
+    from mlx_dspark.speculative.engine import adapt_target
 
     target = adapt_target(model, drafter)
     target_cache, draft_cache = target.make_cache(5), drafter.make_cache()

@@ -10,8 +10,8 @@ import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
 from mlx_dspark.batching.policy import REPROBE_EVERY
 from mlx_dspark.confidence.costs import RoundCosts
-from mlx_dspark.spec import engine
-from mlx_dspark.spec.pacing import Pacing
+from mlx_dspark.speculative import engine
+from mlx_dspark.speculative.pacing import Pacing
 
 from chisquare import goodness_of_fit
 from test_assistant import case, drafter_for

@@ -21,14 +21,14 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlx_dspark.spec.sampling import mlx_lm_make_sampler
+from mlx_dspark.speculative.sampling import mlx_lm_make_sampler
 
 import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
 from mlx_dspark.confidence.schedulers import ThresholdScheduler
-from mlx_dspark.spec.acceptance import inverse_cdf, rejection_accept, residual
-from mlx_dspark.spec.decoding import Decoding, acceptance_rule
-from mlx_dspark.spec.sampling import SamplingSpec, make_sampler
+from mlx_dspark.speculative.acceptance import inverse_cdf, rejection_accept, residual
+from mlx_dspark.speculative.decoding import Decoding, acceptance_rule
+from mlx_dspark.speculative.sampling import SamplingSpec, make_sampler
 
 from chisquare import goodness_of_fit
 from conftest import DEEPSPEC_TINY

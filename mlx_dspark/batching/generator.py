@@ -37,9 +37,9 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from ..confidence.calibration import survival
 from ..confidence.costs import CostProfile, RoundCosts, RoundTimer, profile_path
-from ..spec.decoding import Decoding, judge_greedy
-from ..spec.engine import adapt_target
-from ..spec.stats import Round, SpeculativeStats
+from ..speculative.decoding import Decoding, judge_greedy
+from ..speculative.engine import adapt_target
+from ..speculative.stats import Round, SpeculativeStats
 from ..validation import check_num_draft_tokens
 from .cache import BatchRollbackKVCache
 from .policy import Acceptance, BatchPolicy, interpolate

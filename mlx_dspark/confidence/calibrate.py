@@ -20,9 +20,9 @@ from mlx_lm import load
 
 from ..checkpoints import load_drafter
 from ..progress import progress
-from ..spec.engine import speculative_generate_step
-from ..spec.sampling import make_sampler
-from ..spec.stats import SpeculativeStats
+from ..speculative.engine import speculative_generate_step
+from ..speculative.sampling import make_sampler
+from ..speculative.stats import SpeculativeStats
 from .calibration import (
     Calibration,
     Rounds,

@@ -8,7 +8,7 @@
   this machine, with the calibrated confidences. For every drafter, with a
   confidence head or without, the engine then also verifies at the cheapest
   row count, chooses each round's drafts from the recent acceptance by
-  position and parks speculation when it does not pay (``spec.pacing``).
+  position and parks speculation when it does not pay (``speculative.pacing``).
 
 Every rule is lossless: verifying any prefix of the drafts is. Under sampling
 a rule must also be *causal* (paper Appendix A): whether draft k is verified

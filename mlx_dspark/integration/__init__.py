@@ -24,7 +24,7 @@ def mlx_lm_version_supported(version: str) -> bool:
 
 
 def _generate_patches(module):
-    from ..spec import sampling
+    from ..speculative import sampling
 
     sample_utils = sys.modules["mlx_lm.sample_utils"]
     return [
@@ -51,7 +51,7 @@ def _generate_patches(module):
 
 
 def _server_patches(module):
-    from ..spec import sampling
+    from ..speculative import sampling
 
     generator, handler = module.ResponseGenerator, module.APIHandler
     return [

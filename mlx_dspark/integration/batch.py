@@ -1,7 +1,7 @@
 """The speculative batch generator as ``mlx_lm.server`` drives it."""
 
 from ..batching.generator import SpeculativeBatchGenerator
-from ..spec.stats import SpeculativeStats
+from ..speculative.stats import SpeculativeStats
 from .dispatch import local
 
 

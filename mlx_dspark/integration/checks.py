@@ -11,7 +11,7 @@ from functools import lru_cache
 from mlx_lm.utils import load
 
 from ..checkpoints import load_drafter
-from ..spec.engine import adapt_target
+from ..speculative.engine import adapt_target
 from ..validation import check_num_draft_tokens, check_token_ids, is_drafter, vocab_size
 from .dispatch import drafter_config, drafter_options
 

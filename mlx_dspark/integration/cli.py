@@ -13,7 +13,7 @@ from mlx_lm.utils import _download, load_model
 
 from ..checkpoints import load_drafter, looks_like_drafter
 from ..confidence.schedulers import SCHEDULERS
-from ..spec.engine import adapt_target
+from ..speculative.engine import adapt_target
 from ..plugins import drafter_kinds, find_drafter_kind
 from ..validation import (
     check_num_draft_tokens,

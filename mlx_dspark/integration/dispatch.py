@@ -16,8 +16,8 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
 from ..cache import rollback_depth
 from ..checkpoints import load_drafter, read_config
 from ..plugins import drafter_kinds, find_target_adapter
-from ..spec import engine
-from ..spec.stats import SpeculativeStats
+from ..speculative import engine
+from ..speculative.stats import SpeculativeStats
 from ..validation import is_drafter
 
 from .hooks import local

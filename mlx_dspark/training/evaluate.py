@@ -13,8 +13,8 @@ from mlx_lm.generate import generate_step
 
 from ..checkpoints import load_drafter
 from ..confidence.calibrate import encode, read_prompts
-from ..spec.engine import speculative_generate_step
-from ..spec.stats import SpeculativeStats
+from ..speculative.engine import speculative_generate_step
+from ..speculative.stats import SpeculativeStats
 
 
 def evaluate(model, tokenizer, drafter, prompts: List[List[int]], max_tokens: int, check: bool = True) -> dict:

@@ -7,7 +7,7 @@ token, the target caches roll back to the kept prefix and the drafter takes in
 the target's taps of the kept positions. Between rounds the target and drafter
 caches both hold every position before the anchor.
 
-Which drafts are kept depends on the request's sampler (see ``spec.decoding``).
+Which drafts are kept depends on the request's sampler (see ``speculative.decoding``).
 """
 
 import warnings

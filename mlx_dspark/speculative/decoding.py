@@ -5,7 +5,7 @@ engine and the speculative batch, so a round's verdict is written once.
 Which drafts are kept depends on the sampler:
 - greedy (no sampler, or temperature 0): drafts equal to the target's argmax;
 - rejection sampling, for mlx-lm samplers whose distribution is known
-  (``spec.sampling.make_sampler``): drafts are sampled from the drafter's
+  (``speculative.sampling.make_sampler``): drafts are sampled from the drafter's
   distribution under the same settings and accepted with probability
   ``min(1, p/q)``;
 - target-sample matching, for any other sampler: drafts equal to the
