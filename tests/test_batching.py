@@ -13,7 +13,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlx_dspark.batching.cache import BatchRollbackKVCache
+from mlx_dspark.batching.cache import BatchRollbackKVCache, _live_entries
 from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.batching.policy import (
     Acceptance,
@@ -219,6 +219,48 @@ def test_prompt_cache_from_a_batch_continues_exactly():
                 ),
             )
         ],
+    )
+    assert tokens[0] == plain_greedy(model, follow_up, 25)
+
+
+def test_a_cache_handed_back_mid_pipeline_holds_only_its_own_tokens():
+    """A sequence that stops while the next round is already running hands
+    back caches without that round's entries: the same keys and values, at
+    the same positions, as the caches handed back by rounds read one by one,
+    and a follow-up request on them continues exactly."""
+    model, drafter = trained("gemma4")
+    first = [5, 6, 7, 8, 9, 10, 11]
+    stop = plain_greedy(model, first, 30)[17]
+    options = dict(max_tokens=[30], stop_sequences=[StopSequences([[stop]])])
+    handed_back = []
+    for pipeline in (True, False):
+        generator = SpeculativeBatchGenerator(
+            model, drafter, policy=FixedPolicy(), pipeline=pipeline
+        )
+        in_flight_at_finish = []
+        collect = generator._collect
+
+        def spy(launched, reuse):
+            responses = collect(launched, reuse)
+            if any(r.finish_reason for r in responses):
+                in_flight_at_finish.append(not reuse)
+            return responses
+
+        generator._collect = spy
+        tokens, finished = run(generator, [(0, first, options)])
+        assert in_flight_at_finish == [pipeline]
+        handed_back.append(finished[0])
+    for ours, reference in zip(handed_back[0].prompt_cache, handed_back[1].prompt_cache):
+        (k, v, p), (k_ref, v_ref, p_ref) = _live_entries(ours), _live_entries(reference)
+        assert p.tolist() == p_ref.tolist()
+        assert mx.allclose(k, k_ref, atol=1e-5) and mx.allclose(v, v_ref, atol=1e-5)
+    done = handed_back[0]
+    follow_up = done.all_tokens + [tokens[0][-1], 33, 44, 55]
+    cached = len(done.all_tokens)
+    tokens, _ = run(
+        generator,
+        [(0, follow_up[cached:], dict(max_tokens=[25], caches=[done.prompt_cache],
+                                      all_tokens=[done.all_tokens]))],
     )
     assert tokens[0] == plain_greedy(model, follow_up, 25)
 
