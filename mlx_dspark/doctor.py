@@ -19,6 +19,7 @@ survive: the speedup of rounds with no overhead beyond a draft and a verify
 """
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -254,21 +255,25 @@ def describe_pair(model, drafter, target) -> dict:
     }
 
 
-def measure(model, drafter, target, depth: int, verify: int) -> dict:
+def measure(model, drafter, target, depth: int, verify: int):
     """Costs of a decode step, verifies of 1..``verify`` tokens and one round
-    of drafts, on caches holding ``depth`` tokens of context."""
+    of drafts, on caches holding ``depth`` tokens of context; and a function
+    that times the round of drafts of another drafter (a quantized copy) on
+    the same context."""
     import mlx.core as mx
 
-    from .confidence.costs import live_timer
+    from .confidence.costs import live_timer, median_seconds
     from .progress import progress
 
     target_cache = target.make_cache(verify)
     draft_cache = drafter.make_cache()
     prompt = mx.random.randint(0, target.vocab_size, (depth,), key=mx.random.key(0))
+    taps = []
     for start in range(0, depth, 512):
         out = target(prompt[None, start : start + 512], target_cache, drafter.taps)
         drafter.commit(draft_cache, out.hidden)
-        mx.eval([c.state for c in target_cache + draft_cache])
+        mx.eval([c.state for c in target_cache + draft_cache], out.hidden)
+        taps.append(out.hidden)
     anchor = prompt[-1:]
     timer = live_timer(
         model,
@@ -281,13 +286,75 @@ def measure(model, drafter, target, depth: int, verify: int) -> dict:
     )
     bar = progress(range(1, verify + 1), desc="measuring", unit="verify")
     costs = timer(bar)
+
+    def draft_seconds(other) -> float:
+        cache = other.make_cache()
+        for hidden in taps:
+            other.commit(cache, hidden)
+        mx.eval([c.state for c in cache])
+
+        def draft():
+            proposal = other.propose(
+                cache, anchor, other.block_size, target_cache=target_cache
+            )
+            return proposal.tokens, proposal.confidence
+
+        return median_seconds(draft)
+
     return {
         "device": mx.device_info().get("device_name", str(mx.default_device())),
         "depth": depth,
         "decode": costs.verify[0],
         "draft": costs.draft,
         "verify": costs.verify,
-    }
+    }, draft_seconds
+
+
+def is_float(drafter) -> bool:
+    from .confidence.costs import model_fingerprint
+
+    network = getattr(drafter, "model", None)
+    return network is not None and not model_fingerprint(network)["quantization"]
+
+
+def quantized_copy(draft_path: str, bits: int):
+    """The drafter at ``draft_path`` quantized in memory as ``mlx_dspark
+    convert --q-bits`` writes it (the confidence head stays float)."""
+    from mlx_lm.utils import quantize_model
+
+    from .checkpoints import load_drafter, read_config, resolve_checkpoint
+    from .convert import FLOAT_HEAD
+
+    drafter = load_drafter(draft_path, lazy=True)
+    config = read_config(resolve_checkpoint(draft_path, None))
+    # mlx-lm reports the bits per weight on stdout, which --json keeps for JSON.
+    with contextlib.redirect_stdout(sys.stderr):
+        quantize_model(
+            drafter.model,
+            config,
+            64,
+            bits,
+            quant_predicate=lambda path, module: FLOAT_HEAD not in path,
+        )
+    return drafter
+
+
+def precisions(draft_path: str, drafter, draft_seconds, survival, costs) -> List[dict]:
+    """For a float drafter, the expected speedup at each drafts count's best
+    with the drafter quantized to 8 and 4 bits: its measured draft cost, and
+    acceptance assumed unchanged (quantizing changes the drafter's cost more
+    than its acceptance; ``examples/quantize_drafter.py`` measures both)."""
+    rows = []
+    limit = min(len(survival), len(costs["verify"]) - 1, drafter.max_draft_tokens)
+    for bits in (8, 4):
+        seconds = draft_seconds(quantized_copy(draft_path, bits))
+        at = {**costs, "draft": seconds}
+        best = max(
+            (speedup(survival, k, at) for k in range(1, limit + 1)),
+            key=lambda row: row["speedup"],
+        )
+        rows.append({"precision": f"{bits}-bit", "draft": seconds, **best})
+    return rows
 
 
 def read_costs(path: str) -> dict:
@@ -333,10 +400,11 @@ def diagnose(args) -> dict:
         report["pair"] = {"ok": False, "problem": str(e)}
         return report
     report["pair"] = {"ok": True, **describe_pair(model, drafter, target)}
+    draft_seconds = None
     if args.costs is not None:
         costs = read_costs(args.costs)
     else:
-        costs = measure(model, drafter, target, args.depth, MAX_VERIFY)
+        costs, draft_seconds = measure(model, drafter, target, args.depth, MAX_VERIFY)
     report["costs"] = costs
 
     rounds = None
@@ -360,6 +428,10 @@ def diagnose(args) -> dict:
         rows += threshold_estimates(rounds, costs)
     report["schedulers"] = rows
     report["verdict"] = verdict(rows)
+    if draft_seconds is not None and args.precisions and is_float(drafter):
+        report["precisions"] = precisions(
+            args.draft_model, drafter, draft_seconds, survival, costs
+        )
     return report
 
 
@@ -408,6 +480,12 @@ def format_report(report: dict) -> str:
             f"  {name:<13} {row['drafts']:>4} drafts: tau {row['tau']:.2f}, "
             f"expected {row['speedup']:.2f}x"
         )
+    for row in report.get("precisions", []):
+        lines.append(
+            f"  drafter {row['precision']:<6} draft {row['draft'] * 1e3:.2f} ms: "
+            f"expected {row['speedup']:.2f}x with {row['drafts']} drafts "
+            "(acceptance assumed unchanged)"
+        )
     lines.append(report["verdict"]["line"])
     return "\n".join(lines)
 
@@ -450,6 +528,12 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=128,
         help="tokens to generate per prompt with --prompts (default 128)",
+    )
+    p.add_argument(
+        "--precisions",
+        action="store_true",
+        help="also time the drafter quantized to 8 and 4 bits (in memory) and "
+        "estimate the speedup with each",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     # Costs from a file instead of measuring them (tests, what-if questions).

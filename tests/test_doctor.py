@@ -202,3 +202,35 @@ def test_doctor_measures_acceptance_on_prompts_and_estimates_the_threshold_sched
     assert drafts == sorted(drafts, reverse=True) and drafts[0] <= 4
     fixed = report["schedulers"][0]
     assert fixed["tau"] == pytest.approx(1 + sum(survival), abs=1e-3)
+
+
+def test_doctor_compares_the_drafter_quantized_to_8_and_4_bits():
+    """``--precisions`` times the drafter quantized in memory and estimates
+    each precision from its own draft cost and the same acceptance."""
+    result = doctor_command(
+        "--model", TARGET, "--draft-model", DSPARK, "--json", "--depth", 32,
+        "--precisions",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    rows = report["precisions"]
+    assert [r["precision"] for r in rows] == ["8-bit", "4-bit"]
+    survival, costs = report["acceptance"]["survival"], report["costs"]
+    for row in rows:
+        k = row["drafts"]
+        assert row["draft"] > 0 and 1 <= k <= 4
+        tau = 1 + sum(survival[:k])
+        assert row["speedup"] == pytest.approx(
+            tau * costs["decode"] / (row["draft"] + costs["verify"][k]), abs=1e-3
+        )
+
+
+def test_a_quantized_copy_is_quantized_but_keeps_the_confidence_head_float():
+    drafter = doctor.quantized_copy(str(DSPARK), 4)
+    layers = dict(drafter.model.named_modules())
+    assert any(type(m).__name__ == "QuantizedLinear" for m in layers.values())
+    assert all(
+        type(m).__name__ != "QuantizedLinear"
+        for path, m in layers.items()
+        if "confidence_head" in path
+    )
