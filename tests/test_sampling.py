@@ -9,7 +9,6 @@ deterministic; a correct implementation would fail one of them for a fraction
 
 import functools
 import itertools
-import math
 from collections import Counter
 
 import mlx.core as mx
@@ -31,6 +30,13 @@ from mlx_dspark.spec.decoding import Decoding, acceptance_rule
 from mlx_dspark.spec.sampling import SamplingSpec, make_sampler
 
 from chisquare import goodness_of_fit
+from pit import (
+    check_every_offset,
+    last_token_bias,
+    probability_integral_transforms,
+    round_positions,
+    target_probabilities,
+)
 from conftest import DEEPSPEC_TINY
 from tiny import speculative
 
@@ -328,70 +334,6 @@ def test_target_sample_matching_has_the_targets_distribution():
     )
 
 
-def round_positions(stats, proposals, length, vocab):
-    """For each emitted token, its offset within its round and what the
-    drafter proposed at it (its distribution, or one-hot at an argmax draft;
-    ``None`` for the first token and the bonus tokens). Both depend only on
-    what came before the token: its round's earlier drafts were all
-    accepted, and drafts are proposed before any is verified."""
-    positions, proposals = [(0, None)], iter(proposals)
-    for r in stats.history:
-        q = next(proposals).log_probs if r.drafts else None
-        if q is not None:
-            q = np.exp(np.array(q, np.float64))
-        elif r.drafts:
-            q = np.eye(vocab)[r.drafts]
-        for j in range(r.accepted + (r.next_token is not None)):
-            positions.append((j, q[j] if j < r.proposed else None))
-    return positions[:length]
-
-
-def probability_integral_transforms(model, runs, positions, settings, processors):
-    """For every emitted token ``y``: ``P(Y before y) + v P(y)`` (``v``
-    uniform) under the target's exact distribution ``p`` given the emitted
-    prefix (the request's processors, then the sampler's settings), and a
-    cut. Where the drafter proposed ``q``, the vocabulary is ordered by
-    ``q - p`` (what the drafter over-proposes first) and the cut is the mass
-    ``p`` gives the over-proposed tokens; elsewhere it is ordered by ``p``
-    and there is no cut (``nan``)."""
-    history = mx.array([PROMPT + tokens for tokens in runs])
-    logits = model(history)[:, len(PROMPT) - 1 : -1]
-    if processors:
-        logits = mx.stack(
-            [
-                mx.concatenate(
-                    [
-                        functools.reduce(
-                            lambda row, f: f(history[r, : len(PROMPT) + i], row),
-                            processors,
-                            logits[r, i : i + 1],
-                        )
-                        for i in range(logits.shape[1])
-                    ]
-                )
-                for r in range(len(runs))
-            ]
-        )
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    probs = np.exp(np.array(SamplingSpec(**settings).log_probs(logprobs), np.float64))
-    rng = np.random.default_rng(0)
-    transforms, cuts = [], []
-    for tokens, p_run, q_run in zip(runs, probs, positions):
-        for y, p, (_, q) in zip(tokens, p_run, q_run):
-            order = np.argsort(-(p if q is None else q - p), kind="stable")
-            rank = np.argmax(order == y)
-            transforms.append(p[order[:rank]].sum() + rng.random() * p[y])
-            cuts.append(np.nan if q is None else p[q > p].sum())
-    return np.array(transforms), np.array(cuts)
-
-
-def last_token_bias(tokens, logits):
-    """A logits processor that moves a seventh of the vocabulary, which one
-    depending on the last token: a change at every position, right only
-    with the right history."""
-    return logits + 2.0 * (mx.arange(logits.shape[-1]) % 7 == tokens[-1] % 7)
-
-
 PIT = [
     ("rejection", "none", None),
     ("rejection", "biased", None),
@@ -436,7 +378,8 @@ def test_every_offset_of_a_round_has_the_targets_distribution(
         return proposals[-1]
 
     monkeypatch.setattr(drafter, "propose", recording)
-    runs, positions = [], []
+    rng = np.random.default_rng(0)
+    transforms, cuts, offsets = [], [], []
     for seed in range(60):
         mx.random.seed(seed)
         tokens, stats = speculative(
@@ -448,26 +391,16 @@ def test_every_offset_of_a_round_has_the_targets_distribution(
             logits_processors=processors,
             scheduler=scheduler,
         )
-        runs.append(tokens)
-        positions.append(round_positions(stats, proposals, 24, model.args.vocab_size))
+        qs = [p.log_probs for p in proposals]
+        positions = round_positions(stats, qs, 24, model.args.vocab_size)
+        probs = target_probabilities(model, PROMPT, tokens, settings, processors)
+        t, c = probability_integral_transforms(tokens, probs, positions, rng)
+        transforms += t
+        cuts += c
+        offsets += [j for j, _ in positions]
         proposals.clear()
     assert stats.acceptance_rule == rule
-    transforms, cuts = probability_integral_transforms(
-        model, runs, positions, settings, processors
-    )
-    offsets = np.minimum([j for run in positions for j, _ in run], 2)
-    for offset in range(3):
-        group = transforms[offsets == offset]
-        assert group.size > 100
-        deciles = Counter(np.minimum(group * 10, 9).astype(int).tolist())
-        assert goodness_of_fit(deciles, dict.fromkeys(range(10), 0.1)) > ALPHA
-        # Below the cut exactly as often as the cut says: a martingale
-        # (the cut is known before the token), two-sided z-test.
-        cut = cuts[offsets == offset]
-        below, cut = group[~np.isnan(cut)] < cut[~np.isnan(cut)], cut[~np.isnan(cut)]
-        z = (below - cut).sum() / np.sqrt((cut * (1 - cut)).sum())
-        assert offset == 0 or below.size > 50
-        assert math.erfc(abs(z) / math.sqrt(2)) > ALPHA
+    check_every_offset(transforms, cuts, offsets, ALPHA)
 
 
 def run_tokens(sampler, seed, max_tokens=24, processors=None):
