@@ -41,10 +41,10 @@ def round_positions(stats, proposals, length, vocab):
     return positions[:length]
 
 
-def target_probabilities(model, prompt, tokens, settings, processors):
-    """``[len(tokens), V]``: the target's distribution at each emitted token
-    given the prompt and the tokens before it, as plain sampling draws it
-    (the request's processors, then the sampler's settings)."""
+def target_log_probs(model, prompt, tokens, processors):
+    """``[len(tokens), V]``: the target's log-probabilities at each emitted
+    token given the prompt and the tokens before it, after the request's
+    logits processors (as mlx-lm's ``generate_step`` yields them)."""
     history = mx.array(prompt + tokens)
     logits = model(history[None])[0, len(prompt) - 1 : -1]
     if processors:
@@ -58,7 +58,14 @@ def target_probabilities(model, prompt, tokens, settings, processors):
                 for i in range(len(tokens))
             ]
         )
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def target_probabilities(model, prompt, tokens, settings, processors):
+    """``[len(tokens), V]``: the target's distribution at each emitted token
+    given the prompt and the tokens before it, as plain sampling draws it
+    (the request's processors, then the sampler's settings)."""
+    logprobs = target_log_probs(model, prompt, tokens, processors)
     return np.exp(np.array(SamplingSpec(**settings).log_probs(logprobs), np.float64))
 
 

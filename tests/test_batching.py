@@ -6,10 +6,11 @@ import random
 from collections import Counter
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -25,10 +26,18 @@ from mlx_dspark.batching.policy import (
 )
 from mlx_dspark.cache import SlidingWindowKVCache
 from mlx_dspark.confidence.costs import RoundCosts, RoundTimer
-from mlx_dspark.spec.sampling import make_sampler
+from mlx_dspark.spec.sampling import make_sampler, mlx_lm_make_sampler
 from mlx_dspark.spec.stats import SpeculativeStats
 
 from chisquare import goodness_of_fit
+from pit import (
+    check_every_offset,
+    last_token_bias,
+    probability_integral_transforms,
+    round_positions,
+    target_log_probs,
+    target_probabilities,
+)
 from test_lossless import trained
 from test_sampling import ALPHA, PROMPT, exact_distribution
 from tiny import gemma4_text_args, plain_greedy, speculative, tiny_dspark, tiny_gemma4
@@ -36,21 +45,26 @@ from tiny import gemma4_text_args, plain_greedy, speculative, tiny_dspark, tiny_
 
 class RandomPolicy:
     """Any number of drafts each round, from a seeded stream: what a batch
-    must survive whatever the real policy chooses."""
+    must survive whatever the real policy chooses. With ``full``, that share
+    of the rounds verifies every draft it may."""
 
     name = "random"
 
-    def __init__(self, seed):
+    def __init__(self, seed, full=0.0):
         self.random = random.Random(seed)
+        self.full = full
 
     def choose(self, rates, caps, depth):
+        if self.full and self.random.random() < self.full:
+            return max(caps, default=0)
         return self.random.randint(0, max(caps, default=0))
 
 
-def run(generator, requests, remove_after=None):
+def run(generator, requests, remove_after=None, logprobs=None):
     """Feed ``requests`` (``(arrival_step, prompt, options)``) into
     ``generator`` as the server does, between ``next()`` calls; returns each
-    request's tokens and its finishing response."""
+    request's tokens and its finishing response (and fills ``logprobs``, if
+    given, with each request's log-probabilities)."""
     remove_after = remove_after or {}
     pending = sorted(enumerate(requests), key=lambda x: x[1][0])
     uids, tokens, finished, step = {}, {}, {}, 0
@@ -65,6 +79,8 @@ def run(generator, requests, remove_after=None):
             i = by_uid[r.uid]
             assert i not in finished, "a response after the finishing one"
             tokens[i].append(r.token)
+            if logprobs is not None:
+                logprobs.setdefault(i, []).append(r.logprobs)
             if r.finish_reason:
                 finished[i] = r
         for i, n in remove_after.items():
@@ -324,6 +340,151 @@ def test_sampling_in_a_batch_has_the_targets_distribution():
             counts[tuple(out[u])] += 1
         assert out[uids[6]] == greedy
     assert goodness_of_fit(counts, exact_distribution(model, settings, {}, 3)) > ALPHA
+
+
+# Rows of the batch offset test: arrival step, prompt, sampler settings (None:
+# greedy), rule, logits processors, stop tokens, budget, drafts per round.
+STOPS = (395, 496, 336)  # among the commonest tokens of the rows that stop
+OFFSET_ROWS = [
+    (0, [65, 211, 266, 241], dict(temp=0.7), "rejection", (), (), 28, None),
+    (0, [5, 6, 7, 8, 9], dict(temp=1.0, top_k=20), "rejection", (), STOPS, 28, None),
+    (0, [10, 20, 30], dict(temp=0.7), "rejection", (last_token_bias,), (), 8, None),
+    (1, [17, 18], None, "greedy", (), (), 20, None),
+    (2, [40, 41, 42, 43], dict(temp=0.7), "match", (), (), 28, None),
+    (3, [100, 7, 300, 2, 9], dict(temp=0.8, top_p=0.9), "rejection", (), STOPS, 28, 3),
+]
+
+
+def sampler_for(settings, rule):
+    if settings is None:
+        return None
+    if rule == "match":
+        return mlx_lm_make_sampler(**settings)
+    return make_sampler(**settings)
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "one-by-one"])
+def test_every_offset_of_a_batch_round_has_the_targets_distribution(pipeline):
+    """Tokens at every offset within a batch's rounds are distributed as the
+    target's, for each row under its own prompt, sampler, processors, stop
+    tokens and budget, with rows joining between rounds and leaving at a stop.
+
+    The single-stream offset test (tests/test_sampling.py, helpers in
+    tests/pit.py) on the batch: the randomized probability integral
+    transform of every sampled row's tokens against the target's exact
+    distribution given that row's emitted prefix, grouped by the token's
+    offset in its round, uniform on deciles and at the cut below which lie
+    the tokens the drafter over-proposes. Rejection-sampling rows (one with
+    a history-dependent processor, which keeps rounds off the pipeline until
+    it leaves, one with fewer drafts), a target-sample-matching row and a
+    greedy row; random drafts per round, half the rounds all of them,
+    rounds without drafts included. Catches a rejection row judged with the
+    next row's drafter distribution (``_judge``: the cut at offset 1,
+    z = 6.6 pipelined, 7.0 one by one) and with its first draft's
+    distribution at every position (the deciles at offset 1, p = 1e-13
+    pipelined, 3e-6 one by one)."""
+    model, drafter = trained("gemma4")
+    vocab = model.args.vocab_size
+    rng = np.random.default_rng(0)
+    transforms, cuts, offsets, ahead, reasons = [], [], [], [], Counter()
+    for seed in range(16):
+        mx.random.seed(seed)
+        generator = SpeculativeBatchGenerator(
+            model, drafter, policy=RandomPolicy(seed, full=0.5), pipeline=pipeline
+        )
+        proposals, launch = {}, generator._launch
+
+        def recording(anchors):
+            """Each row's drafter distributions, for the rounds it drafts."""
+            ahead.append(generator._in_flight is not None)
+            launched = launch(anchors)
+            for b, (s, n) in enumerate(zip(launched.sequences, launched.drafts_per_row)):
+                if n:
+                    q = None
+                    if s.decoding.rule == "rejection":
+                        q = launched.proposal.log_probs[b]
+                    proposals.setdefault(id(s.stats), []).append(q)
+            return launched
+
+        generator._launch = recording
+        stats, requests = [], []
+        for step, prompt, settings, rule, processors, stop, budget, drafts in OFFSET_ROWS:
+            stats.append(SpeculativeStats(drafter.name, drafter.block_size))
+            options = dict(
+                max_tokens=[budget],
+                samplers=[sampler_for(settings, rule)],
+                logits_processors=[list(processors)],
+                stats=[stats[-1]],
+            )
+            if stop:
+                options["stop_sequences"] = [StopSequences([[t] for t in stop])]
+            if drafts:
+                options["num_draft_tokens"] = [drafts]
+            requests.append((step, prompt, options))
+        tokens, finished = run(generator, requests)
+        for i, (_, prompt, settings, rule, processors, stop, budget, _) in enumerate(
+            OFFSET_ROWS
+        ):
+            assert stats[i].acceptance_rule == rule
+            reasons[finished[i].finish_reason] += 1
+            if settings is None:
+                assert tokens[i] == reference(model, prompt, budget, stop)
+                continue
+            positions = round_positions(
+                stats[i], proposals.get(id(stats[i]), []), len(tokens[i]), vocab
+            )
+            probs = target_probabilities(model, prompt, tokens[i], settings, processors)
+            t, c = probability_integral_transforms(tokens[i], probs, positions, rng)
+            transforms += t
+            cuts += c
+            offsets += [j for j, _ in positions]
+    # Rounds were built ahead (pipelined) or never; rows stopped early.
+    assert (sum(ahead) > len(ahead) // 8) if pipeline else not any(ahead)
+    assert reasons["stop"] > 5
+    check_every_offset(transforms, cuts, offsets, ALPHA)
+
+
+def test_each_rows_logits_processors_see_its_own_history():
+    """Rows with history-dependent logits processors (a bias on the class of
+    the last token, a repetition penalty, a logit bias), greedy and sampled,
+    next to rows without, joining between rounds, any number of drafts:
+    every response's log-probabilities are the target's processed ones given
+    that row's own prompt and emitted tokens (exact, where the offset test
+    has little power on a few short rows), and the greedy rows emit what
+    mlx-lm's generate_step emits with the same processors. Catches the
+    processors' history missing the round's anchor (``Sequence.context``)."""
+    model, drafter = trained("gemma4")
+    penalty = make_logits_processors(repetition_penalty=1.5)
+    biased = make_logits_processors(logit_bias={260: 2.0, 11: -3.0}, repetition_penalty=1.3)
+    rows = [
+        (0, [10, 20, 30], None, [last_token_bias], 20),
+        (0, [65, 211, 266, 241], make_sampler(0.8), [*penalty, last_token_bias], 20),
+        (1, [5, 6, 7, 8, 9], None, [], 20),
+        (2, [40, 41, 42], mlx_lm_make_sampler(0.7), [last_token_bias], 16),
+        (3, [100, 7, 300], None, biased, 16),
+    ]
+    for seed in range(3):
+        mx.random.seed(seed)
+        generator = SpeculativeBatchGenerator(
+            model, drafter, policy=RandomPolicy(seed, full=0.5)
+        )
+        requests = [
+            (step, prompt, dict(max_tokens=[budget], samplers=[sampler],
+                                logits_processors=[processors]))
+            for step, prompt, sampler, processors, budget in rows
+        ]
+        logprobs = {}
+        tokens, _ = run(generator, requests, logprobs=logprobs)
+        for i, (_, prompt, sampler, processors, budget) in enumerate(rows):
+            expected = target_log_probs(model, prompt, tokens[i], processors)
+            np.testing.assert_allclose(
+                np.array(mx.stack(logprobs[i])), np.array(expected), atol=1e-4
+            )
+            if sampler is None:
+                plain = generate_step(
+                    mx.array(prompt), model, max_tokens=budget, logits_processors=processors
+                )
+                assert tokens[i] == [t for t, _ in plain]
 
 
 def test_expected_tokens_and_acceptance():
