@@ -39,8 +39,19 @@ from pit import (
     target_probabilities,
 )
 from test_lossless import trained
-from test_sampling import ALPHA, PROMPT, exact_distribution
-from tiny import gemma4_text_args, plain_greedy, speculative, tiny_dspark, tiny_gemma4
+from test_sampling import ALPHA, PROMPT, SAMPLED, exact_distribution, sampler_of
+from tiny import (
+    cut_at_stop,
+    from_drafts,
+    gemma4_text_args,
+    pick_stops,
+    plain_greedy,
+    rounds,
+    rounds_cut_at,
+    speculative,
+    tiny_dspark,
+    tiny_gemma4,
+)
 
 
 class RandomPolicy:
@@ -92,11 +103,7 @@ def run(generator, requests, remove_after=None, logprobs=None):
 
 
 def reference(model, prompt, max_tokens, stop=()):
-    out = plain_greedy(model, prompt, max_tokens)
-    for i, t in enumerate(out):
-        if t in stop:
-            return out[: i + 1]
-    return out
+    return cut_at_stop(plain_greedy(model, prompt, max_tokens), stop)
 
 
 @st.composite
@@ -165,6 +172,96 @@ def test_random_models_with_tiny_windows(case, window, model_seed):
     drafter = tiny_dspark(args, seed=model_seed + 1)
     check_batch(model, drafter, requests, sizes, seed)
 
+
+@st.composite
+def sampled_batches(draw):
+    """Requests that sample (rejection at temperatures where a random
+    drafter is often right, or target-sample matching) or not, arriving
+    between rounds, and where their stop tokens are picked (``pick_stops``);
+    a random target and drafter."""
+    requests = []
+    for _ in range(draw(st.integers(1, 5))):
+        prompt = draw(st.lists(st.integers(5, 95), min_size=1, max_size=16))
+        sampling = draw(st.sampled_from([*SAMPLED, None]))
+        options = dict(
+            max_tokens=[draw(st.integers(1, 30))],
+            samplers=[sampling and sampler_of(*sampling)],
+        )
+        if draw(st.booleans()):
+            options["num_draft_tokens"] = [draw(st.integers(1, 4))]
+        stops = (
+            draw(st.sampled_from(["last draft", "draft", "any"])),
+            draw(st.lists(st.integers(0, 1000), min_size=1, max_size=3)),
+        )
+        requests.append((draw(st.integers(0, 8)), prompt, options, stops))
+    sizes = dict(
+        completion_batch_size=draw(st.integers(1, 5)),
+        prefill_step_size=draw(st.sampled_from([1, 3, 2048])),
+        compact_waste=draw(st.sampled_from([1, 4, 64])),
+        pipeline=draw(st.booleans()),
+    )
+    seeds = draw(st.tuples(*[st.integers(0, 10_000)] * 3))
+    return requests, sizes, draw(st.integers(2, 5)), seeds
+
+
+@given(sampled_batches())
+def test_sampled_stop_tokens_cut_each_row_exactly(case):
+    """With sampling, a row's stop token ends it exactly where a disconnect
+    right after that token would: for a seed, each row's output with stop
+    tokens is its output without them (the row removed after the step that
+    reached the stop), cut after the first stop token, finished with
+    "stop", and its rounds are the same but the last, which a stop among
+    its accepted drafts ends there (no target token). Exact for a seed
+    because a stop changes nothing before it, for the row or the others
+    (batched with the same rows, round by round, in both runs). With the
+    batch offset test (the unstopped output is distributed as the
+    target's), the stopped output is plain sampling cut at the first stop.
+    The stop tokens are picked from a first run without them, among the
+    drafts a round accepted, the last of them, or any token: they are hit
+    there until another row stops first."""
+    requests, sizes, window, (seed, policy_seed, model_seed) = case
+    model = tiny_gemma4(seed=model_seed, window=window)
+    drafter = tiny_dspark(gemma4_text_args(window=window), seed=model_seed + 1)
+
+    def generate(requests, remove_after=None):
+        mx.random.seed(seed)
+        generator = SpeculativeBatchGenerator(
+            model, drafter, policy=RandomPolicy(policy_seed), **sizes
+        )
+        stats = [SpeculativeStats(drafter.name, drafter.block_size) for _ in requests]
+        requests = [
+            (step, prompt, dict(options, stats=[s]))
+            for (step, prompt, options), s in zip(requests, stats)
+        ]
+        tokens, finished = run(generator, requests, remove_after)
+        return tokens, finished, stats
+
+    plain = [(step, prompt, options) for step, prompt, options, _ in requests]
+    first, _, first_stats = generate(plain)
+    stops = [
+        pick_stops(first[i], from_drafts(first_stats[i]), *how)
+        for i, (_, _, _, how) in enumerate(requests)
+    ]
+    stopping = [
+        (step, prompt, dict(options, stop_sequences=[StopSequences([[t] for t in stop])]))
+        for (step, prompt, options), stop in zip(plain, stops)
+    ]
+    tokens, finished, stats = generate(stopping)
+    # Without stop tokens, each row that stopped leaves at the same step
+    # (one that stopped at its first token has a budget of one).
+    remove_after = {}
+    for i, (step, prompt, options) in enumerate(plain):
+        if finished[i].finish_reason == "stop" and len(tokens[i]) == 1:
+            plain[i] = (step, prompt, dict(options, max_tokens=[1]))
+        elif finished[i].finish_reason == "stop":
+            remove_after[i] = len(tokens[i])
+    plain_tokens, _, plain_stats = generate(plain, remove_after)
+    for i, stop in enumerate(stops):
+        expected = cut_at_stop(plain_tokens[i], stop)
+        assert tokens[i] == expected, f"request {i}"
+        reason = "stop" if expected[-1] in stop else "length"
+        assert finished[i].finish_reason == reason
+        assert rounds(stats[i]) == rounds_cut_at(plain_stats[i], len(expected))
 
 def test_pipelined_rounds_record_what_rounds_read_one_by_one_record():
     """With nothing in the batch waiting for the host, the next round is
@@ -613,9 +710,6 @@ def test_a_sequence_alone_goes_through_the_engines_rounds():
     what the single-stream engine does."""
     model, drafter = trained("gemma4")
     prompt = [5, 6, 7, 8, 9]
-
-    def rounds(stats):
-        return [(r.drafts, r.proposed, r.accepted, r.next_token) for r in stats.history]
 
     for stop in [None, *plain_greedy(model, prompt, 11)]:
         alone, alone_stats = speculative(model, drafter, prompt, 11, stop_tokens=[stop])

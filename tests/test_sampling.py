@@ -7,6 +7,7 @@ deterministic; a correct implementation would fail one of them for a fraction
 1e-4 of possible seeds, so fewer than 1e-3 over the whole file.
 """
 
+import copy
 import functools
 import itertools
 from collections import Counter
@@ -38,7 +39,17 @@ from pit import (
     target_probabilities,
 )
 from conftest import DEEPSPEC_TINY
-from tiny import speculative
+from test_lossless import random_drafter_kwargs
+from tiny import (
+    cut_at_stop,
+    gemma4_text_args,
+    pick_stops,
+    rounds,
+    rounds_cut_at,
+    speculative,
+    tiny_dspark,
+    tiny_gemma4,
+)
 
 ALPHA = 1e-4
 
@@ -427,6 +438,106 @@ def test_same_seed_same_output():
     b, _ = run_tokens(sampler, seed=5)
     c, _ = run_tokens(sampler, seed=6)
     assert [t for t, _, _ in a] == [t for t, _, _ in b] != [t for t, _, _ in c]
+
+
+# Sampler settings for random tiny models: at temperature 2 to 4 a random
+# drafter's drafts are often accepted (rounds of several accepted drafts).
+SAMPLED = [
+    ("rejection", dict(temp=2.0)),
+    ("rejection", dict(temp=4.0)),
+    ("rejection", dict(temp=3.0, top_p=0.9)),
+    ("rejection", dict(temp=2.0, top_k=12)),
+    ("match", dict(temp=3.0)),
+]
+
+
+def sampler_of(rule, settings):
+    return (make_sampler if rule == "rejection" else mlx_lm_make_sampler)(**settings)
+
+
+@st.composite
+def sampled_stop_cases(draw):
+    """A random Gemma-4 target and DSpark/DFlash drafter, a prompt, a budget,
+    sampler settings, a seed, and which tokens of the unstopped output
+    become stop tokens (see ``pick_stops``)."""
+    layers = draw(st.integers(2, 4))
+    target_kwargs = dict(layers=layers, window=draw(st.integers(2, 6)))
+    drafter_kwargs = random_drafter_kwargs(draw, layers)
+    return dict(
+        target_kwargs=target_kwargs,
+        drafter_kwargs=drafter_kwargs,
+        model_seed=draw(st.integers(0, 10_000)),
+        prompt=draw(st.lists(st.integers(0, 95), min_size=1, max_size=16)),
+        max_tokens=draw(st.integers(1, 40)),
+        sampling=draw(st.sampled_from(SAMPLED)),
+        seed=draw(st.integers(0, 10_000)),
+        where=draw(st.sampled_from(["last draft", "draft", "any"])),
+        picks=draw(st.lists(st.integers(0, 1000), min_size=1, max_size=3)),
+    )
+
+
+@given(sampled_stop_cases())
+def test_sampled_stop_tokens_cut_the_sampled_output_exactly(tiny_pair, case):
+    """With sampling, stop tokens end the output exactly at the first of
+    them: for a seed, the speculative output with stop tokens (the engine's
+    ``stop_tokens``, and ``stream_generate`` with them as the tokenizer's
+    EOS) is the one without them, cut after the first stop token, each
+    token from a draft or not alike, and the rounds are the same but the
+    last, which a stop among its accepted drafts ends there (no target
+    token); the stop tokens picked among the drafts a round accepted, the
+    last of them, or any token.
+
+    Exact for a seed because stop tokens decide only where a round's emitted
+    tokens end: everything before the stop, the random numbers drawn
+    included, is the same. (Not the plain sampled output for the seed:
+    speculative rounds draw other random numbers than one token at a time.
+    That the unstopped output is distributed as plain sampling is the
+    offset test's; with this property, so is the stopped one: plain
+    sampling cut at the first stop.)"""
+    model = tiny_gemma4(seed=case["model_seed"], **case["target_kwargs"])
+    drafter = tiny_dspark(
+        gemma4_text_args(**case["target_kwargs"]),
+        seed=case["model_seed"] + 1,
+        **case["drafter_kwargs"],
+    )
+    rule, settings = case["sampling"]
+    prompt, max_tokens = case["prompt"], case["max_tokens"]
+
+    def steps(**kwargs):
+        mx.random.seed(case["seed"])
+        stats = SpeculativeStats(drafter.name, drafter.block_size)
+        out = speculative_generate_step(
+            mx.array(prompt),
+            model,
+            drafter,
+            max_tokens=max_tokens,
+            sampler=sampler_of(rule, settings),
+            stats=stats,
+            **kwargs,
+        )
+        return [(t, d) for t, _, d in out], stats
+
+    full, full_stats = steps()
+    tokens, flags = [t for t, _ in full], [d for _, d in full]
+    stops = pick_stops(tokens, flags, case["where"], case["picks"])
+    cut = len(cut_at_stop(tokens, stops))
+    expected = full[:cut]
+    ours, stats = steps(stop_tokens=stops)
+    assert ours == expected
+    assert rounds(stats) == rounds_cut_at(full_stats, cut)
+
+    tokenizer = copy.deepcopy(tiny_pair[1])
+    tokenizer.eos_token_ids = stops
+    mx.random.seed(case["seed"])
+    responses = mlx_dspark.stream_generate(
+        model,
+        tokenizer,
+        prompt,
+        draft=drafter,
+        max_tokens=max_tokens,
+        sampler=sampler_of(rule, settings),
+    )
+    assert [(r.token, r.from_draft) for r in responses] == expected
 
 
 def test_logprobs_are_the_targets_processed_log_probabilities():
