@@ -6,10 +6,11 @@ import random
 from collections import Counter
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -25,32 +26,56 @@ from mlx_dspark.batching.policy import (
 )
 from mlx_dspark.cache import SlidingWindowKVCache
 from mlx_dspark.confidence.costs import RoundCosts, RoundTimer
-from mlx_dspark.speculative.sampling import make_sampler
+from mlx_dspark.speculative.sampling import make_sampler, mlx_lm_make_sampler
 from mlx_dspark.speculative.stats import SpeculativeStats
 
 from chisquare import goodness_of_fit
+from pit import (
+    check_every_offset,
+    last_token_bias,
+    probability_integral_transforms,
+    round_positions,
+    target_log_probs,
+    target_probabilities,
+)
 from test_lossless import trained
-from test_sampling import ALPHA, PROMPT, exact_distribution
-from tiny import gemma4_text_args, plain_greedy, speculative, tiny_dspark, tiny_gemma4
+from test_sampling import ALPHA, PROMPT, SAMPLED, exact_distribution, sampler_of
+from tiny import (
+    cut_at_stop,
+    from_drafts,
+    gemma4_text_args,
+    pick_stops,
+    plain_greedy,
+    rounds,
+    rounds_cut_at,
+    speculative,
+    tiny_dspark,
+    tiny_gemma4,
+)
 
 
 class RandomPolicy:
     """Any number of drafts each round, from a seeded stream: what a batch
-    must survive whatever the real policy chooses."""
+    must survive whatever the real policy chooses. With ``full``, that share
+    of the rounds verifies every draft it may."""
 
     name = "random"
 
-    def __init__(self, seed):
+    def __init__(self, seed, full=0.0):
         self.random = random.Random(seed)
+        self.full = full
 
     def choose(self, rates, caps, depth):
+        if self.full and self.random.random() < self.full:
+            return max(caps, default=0)
         return self.random.randint(0, max(caps, default=0))
 
 
-def run(generator, requests, remove_after=None):
+def run(generator, requests, remove_after=None, logprobs=None):
     """Feed ``requests`` (``(arrival_step, prompt, options)``) into
     ``generator`` as the server does, between ``next()`` calls; returns each
-    request's tokens and its finishing response."""
+    request's tokens and its finishing response (and fills ``logprobs``, if
+    given, with each request's log-probabilities)."""
     remove_after = remove_after or {}
     pending = sorted(enumerate(requests), key=lambda x: x[1][0])
     uids, tokens, finished, step = {}, {}, {}, 0
@@ -65,6 +90,8 @@ def run(generator, requests, remove_after=None):
             i = by_uid[r.uid]
             assert i not in finished, "a response after the finishing one"
             tokens[i].append(r.token)
+            if logprobs is not None:
+                logprobs.setdefault(i, []).append(r.logprobs)
             if r.finish_reason:
                 finished[i] = r
         for i, n in remove_after.items():
@@ -76,11 +103,7 @@ def run(generator, requests, remove_after=None):
 
 
 def reference(model, prompt, max_tokens, stop=()):
-    out = plain_greedy(model, prompt, max_tokens)
-    for i, t in enumerate(out):
-        if t in stop:
-            return out[: i + 1]
-    return out
+    return cut_at_stop(plain_greedy(model, prompt, max_tokens), stop)
 
 
 @st.composite
@@ -149,6 +172,96 @@ def test_random_models_with_tiny_windows(case, window, model_seed):
     drafter = tiny_dspark(args, seed=model_seed + 1)
     check_batch(model, drafter, requests, sizes, seed)
 
+
+@st.composite
+def sampled_batches(draw):
+    """Requests that sample (rejection at temperatures where a random
+    drafter is often right, or target-sample matching) or not, arriving
+    between rounds, and where their stop tokens are picked (``pick_stops``);
+    a random target and drafter."""
+    requests = []
+    for _ in range(draw(st.integers(1, 5))):
+        prompt = draw(st.lists(st.integers(5, 95), min_size=1, max_size=16))
+        sampling = draw(st.sampled_from([*SAMPLED, None]))
+        options = dict(
+            max_tokens=[draw(st.integers(1, 30))],
+            samplers=[sampling and sampler_of(*sampling)],
+        )
+        if draw(st.booleans()):
+            options["num_draft_tokens"] = [draw(st.integers(1, 4))]
+        stops = (
+            draw(st.sampled_from(["last draft", "draft", "any"])),
+            draw(st.lists(st.integers(0, 1000), min_size=1, max_size=3)),
+        )
+        requests.append((draw(st.integers(0, 8)), prompt, options, stops))
+    sizes = dict(
+        completion_batch_size=draw(st.integers(1, 5)),
+        prefill_step_size=draw(st.sampled_from([1, 3, 2048])),
+        compact_waste=draw(st.sampled_from([1, 4, 64])),
+        pipeline=draw(st.booleans()),
+    )
+    seeds = draw(st.tuples(*[st.integers(0, 10_000)] * 3))
+    return requests, sizes, draw(st.integers(2, 5)), seeds
+
+
+@given(sampled_batches())
+def test_sampled_stop_tokens_cut_each_row_exactly(case):
+    """With sampling, a row's stop token ends it exactly where a disconnect
+    right after that token would: for a seed, each row's output with stop
+    tokens is its output without them (the row removed after the step that
+    reached the stop), cut after the first stop token, finished with
+    "stop", and its rounds are the same but the last, which a stop among
+    its accepted drafts ends there (no target token). Exact for a seed
+    because a stop changes nothing before it, for the row or the others
+    (batched with the same rows, round by round, in both runs). With the
+    batch offset test (the unstopped output is distributed as the
+    target's), the stopped output is plain sampling cut at the first stop.
+    The stop tokens are picked from a first run without them, among the
+    drafts a round accepted, the last of them, or any token: they are hit
+    there until another row stops first."""
+    requests, sizes, window, (seed, policy_seed, model_seed) = case
+    model = tiny_gemma4(seed=model_seed, window=window)
+    drafter = tiny_dspark(gemma4_text_args(window=window), seed=model_seed + 1)
+
+    def generate(requests, remove_after=None):
+        mx.random.seed(seed)
+        generator = SpeculativeBatchGenerator(
+            model, drafter, policy=RandomPolicy(policy_seed), **sizes
+        )
+        stats = [SpeculativeStats(drafter.name, drafter.block_size) for _ in requests]
+        requests = [
+            (step, prompt, dict(options, stats=[s]))
+            for (step, prompt, options), s in zip(requests, stats)
+        ]
+        tokens, finished = run(generator, requests, remove_after)
+        return tokens, finished, stats
+
+    plain = [(step, prompt, options) for step, prompt, options, _ in requests]
+    first, _, first_stats = generate(plain)
+    stops = [
+        pick_stops(first[i], from_drafts(first_stats[i]), *how)
+        for i, (_, _, _, how) in enumerate(requests)
+    ]
+    stopping = [
+        (step, prompt, dict(options, stop_sequences=[StopSequences([[t] for t in stop])]))
+        for (step, prompt, options), stop in zip(plain, stops)
+    ]
+    tokens, finished, stats = generate(stopping)
+    # Without stop tokens, each row that stopped leaves at the same step
+    # (one that stopped at its first token has a budget of one).
+    remove_after = {}
+    for i, (step, prompt, options) in enumerate(plain):
+        if finished[i].finish_reason == "stop" and len(tokens[i]) == 1:
+            plain[i] = (step, prompt, dict(options, max_tokens=[1]))
+        elif finished[i].finish_reason == "stop":
+            remove_after[i] = len(tokens[i])
+    plain_tokens, _, plain_stats = generate(plain, remove_after)
+    for i, stop in enumerate(stops):
+        expected = cut_at_stop(plain_tokens[i], stop)
+        assert tokens[i] == expected, f"request {i}"
+        reason = "stop" if expected[-1] in stop else "length"
+        assert finished[i].finish_reason == reason
+        assert rounds(stats[i]) == rounds_cut_at(plain_stats[i], len(expected))
 
 def test_pipelined_rounds_record_what_rounds_read_one_by_one_record():
     """With nothing in the batch waiting for the host, the next round is
@@ -368,6 +481,151 @@ def test_sampling_in_a_batch_has_the_targets_distribution():
     assert goodness_of_fit(counts, exact_distribution(model, settings, {}, 3)) > ALPHA
 
 
+# Rows of the batch offset test: arrival step, prompt, sampler settings (None:
+# greedy), rule, logits processors, stop tokens, budget, drafts per round.
+STOPS = (395, 496, 336)  # among the commonest tokens of the rows that stop
+OFFSET_ROWS = [
+    (0, [65, 211, 266, 241], dict(temp=0.7), "rejection", (), (), 28, None),
+    (0, [5, 6, 7, 8, 9], dict(temp=1.0, top_k=20), "rejection", (), STOPS, 28, None),
+    (0, [10, 20, 30], dict(temp=0.7), "rejection", (last_token_bias,), (), 8, None),
+    (1, [17, 18], None, "greedy", (), (), 20, None),
+    (2, [40, 41, 42, 43], dict(temp=0.7), "match", (), (), 28, None),
+    (3, [100, 7, 300, 2, 9], dict(temp=0.8, top_p=0.9), "rejection", (), STOPS, 28, 3),
+]
+
+
+def sampler_for(settings, rule):
+    if settings is None:
+        return None
+    if rule == "match":
+        return mlx_lm_make_sampler(**settings)
+    return make_sampler(**settings)
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "one-by-one"])
+def test_every_offset_of_a_batch_round_has_the_targets_distribution(pipeline):
+    """Tokens at every offset within a batch's rounds are distributed as the
+    target's, for each row under its own prompt, sampler, processors, stop
+    tokens and budget, with rows joining between rounds and leaving at a stop.
+
+    The single-stream offset test (tests/test_sampling.py, helpers in
+    tests/pit.py) on the batch: the randomized probability integral
+    transform of every sampled row's tokens against the target's exact
+    distribution given that row's emitted prefix, grouped by the token's
+    offset in its round, uniform on deciles and at the cut below which lie
+    the tokens the drafter over-proposes. Rejection-sampling rows (one with
+    a history-dependent processor, which keeps rounds off the pipeline until
+    it leaves, one with fewer drafts), a target-sample-matching row and a
+    greedy row; random drafts per round, half the rounds all of them,
+    rounds without drafts included. Catches a rejection row judged with the
+    next row's drafter distribution (``_judge``: the cut at offset 1,
+    z = 6.6 pipelined, 7.0 one by one) and with its first draft's
+    distribution at every position (the deciles at offset 1, p = 1e-13
+    pipelined, 3e-6 one by one)."""
+    model, drafter = trained("gemma4")
+    vocab = model.args.vocab_size
+    rng = np.random.default_rng(0)
+    transforms, cuts, offsets, ahead, reasons = [], [], [], [], Counter()
+    for seed in range(16):
+        mx.random.seed(seed)
+        generator = SpeculativeBatchGenerator(
+            model, drafter, policy=RandomPolicy(seed, full=0.5), pipeline=pipeline
+        )
+        proposals, launch = {}, generator._launch
+
+        def recording(anchors):
+            """Each row's drafter distributions, for the rounds it drafts."""
+            ahead.append(generator._in_flight is not None)
+            launched = launch(anchors)
+            for b, (s, n) in enumerate(zip(launched.sequences, launched.drafts_per_row)):
+                if n:
+                    q = None
+                    if s.decoding.rule == "rejection":
+                        q = launched.proposal.log_probs[b]
+                    proposals.setdefault(id(s.stats), []).append(q)
+            return launched
+
+        generator._launch = recording
+        stats, requests = [], []
+        for step, prompt, settings, rule, processors, stop, budget, drafts in OFFSET_ROWS:
+            stats.append(SpeculativeStats(drafter.name, drafter.block_size))
+            options = dict(
+                max_tokens=[budget],
+                samplers=[sampler_for(settings, rule)],
+                logits_processors=[list(processors)],
+                stats=[stats[-1]],
+            )
+            if stop:
+                options["stop_sequences"] = [StopSequences([[t] for t in stop])]
+            if drafts:
+                options["num_draft_tokens"] = [drafts]
+            requests.append((step, prompt, options))
+        tokens, finished = run(generator, requests)
+        for i, (_, prompt, settings, rule, processors, stop, budget, _) in enumerate(
+            OFFSET_ROWS
+        ):
+            assert stats[i].acceptance_rule == rule
+            reasons[finished[i].finish_reason] += 1
+            if settings is None:
+                assert tokens[i] == reference(model, prompt, budget, stop)
+                continue
+            positions = round_positions(
+                stats[i], proposals.get(id(stats[i]), []), len(tokens[i]), vocab
+            )
+            probs = target_probabilities(model, prompt, tokens[i], settings, processors)
+            t, c = probability_integral_transforms(tokens[i], probs, positions, rng)
+            transforms += t
+            cuts += c
+            offsets += [j for j, _ in positions]
+    # Rounds were built ahead (pipelined) or never; rows stopped early.
+    assert (sum(ahead) > len(ahead) // 8) if pipeline else not any(ahead)
+    assert reasons["stop"] > 5
+    check_every_offset(transforms, cuts, offsets, ALPHA)
+
+
+def test_each_rows_logits_processors_see_its_own_history():
+    """Rows with history-dependent logits processors (a bias on the class of
+    the last token, a repetition penalty, a logit bias), greedy and sampled,
+    next to rows without, joining between rounds, any number of drafts:
+    every response's log-probabilities are the target's processed ones given
+    that row's own prompt and emitted tokens (exact, where the offset test
+    has little power on a few short rows), and the greedy rows emit what
+    mlx-lm's generate_step emits with the same processors. Catches the
+    processors' history missing the round's anchor (``Sequence.context``)."""
+    model, drafter = trained("gemma4")
+    penalty = make_logits_processors(repetition_penalty=1.5)
+    biased = make_logits_processors(logit_bias={260: 2.0, 11: -3.0}, repetition_penalty=1.3)
+    rows = [
+        (0, [10, 20, 30], None, [last_token_bias], 20),
+        (0, [65, 211, 266, 241], make_sampler(0.8), [*penalty, last_token_bias], 20),
+        (1, [5, 6, 7, 8, 9], None, [], 20),
+        (2, [40, 41, 42], mlx_lm_make_sampler(0.7), [last_token_bias], 16),
+        (3, [100, 7, 300], None, biased, 16),
+    ]
+    for seed in range(3):
+        mx.random.seed(seed)
+        generator = SpeculativeBatchGenerator(
+            model, drafter, policy=RandomPolicy(seed, full=0.5)
+        )
+        requests = [
+            (step, prompt, dict(max_tokens=[budget], samplers=[sampler],
+                                logits_processors=[processors]))
+            for step, prompt, sampler, processors, budget in rows
+        ]
+        logprobs = {}
+        tokens, _ = run(generator, requests, logprobs=logprobs)
+        for i, (_, prompt, sampler, processors, budget) in enumerate(rows):
+            expected = target_log_probs(model, prompt, tokens[i], processors)
+            np.testing.assert_allclose(
+                np.array(mx.stack(logprobs[i])), np.array(expected), atol=1e-4
+            )
+            if sampler is None:
+                plain = generate_step(
+                    mx.array(prompt), model, max_tokens=budget, logits_processors=processors
+                )
+                assert tokens[i] == [t for t, _ in plain]
+
+
 def test_expected_tokens_and_acceptance():
     assert expected_tokens([0.5, 0.5], 0) == 1.0
     assert expected_tokens([0.5, 0.5], 2) == 1.75
@@ -494,9 +752,6 @@ def test_a_sequence_alone_goes_through_the_engines_rounds():
     what the single-stream engine does."""
     model, drafter = trained("gemma4")
     prompt = [5, 6, 7, 8, 9]
-
-    def rounds(stats):
-        return [(r.drafts, r.proposed, r.accepted, r.next_token) for r in stats.history]
 
     for stop in [None, *plain_greedy(model, prompt, 11)]:
         alone, alone_stats = speculative(model, drafter, prompt, 11, stop_tokens=[stop])

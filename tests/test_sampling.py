@@ -7,9 +7,9 @@ deterministic; a correct implementation would fail one of them for a fraction
 1e-4 of possible seeds, so fewer than 1e-3 over the whole file.
 """
 
+import copy
 import functools
 import itertools
-import math
 from collections import Counter
 
 import mlx.core as mx
@@ -31,8 +31,25 @@ from mlx_dspark.speculative.decoding import Decoding, acceptance_rule
 from mlx_dspark.speculative.sampling import SamplingSpec, make_sampler
 
 from chisquare import goodness_of_fit
+from pit import (
+    check_every_offset,
+    last_token_bias,
+    probability_integral_transforms,
+    round_positions,
+    target_probabilities,
+)
 from conftest import DEEPSPEC_TINY
-from tiny import speculative
+from test_lossless import random_drafter_kwargs
+from tiny import (
+    cut_at_stop,
+    gemma4_text_args,
+    pick_stops,
+    rounds,
+    rounds_cut_at,
+    speculative,
+    tiny_dspark,
+    tiny_gemma4,
+)
 
 ALPHA = 1e-4
 
@@ -328,70 +345,6 @@ def test_target_sample_matching_has_the_targets_distribution():
     )
 
 
-def round_positions(stats, proposals, length, vocab):
-    """For each emitted token, its offset within its round and what the
-    drafter proposed at it (its distribution, or one-hot at an argmax draft;
-    ``None`` for the first token and the bonus tokens). Both depend only on
-    what came before the token: its round's earlier drafts were all
-    accepted, and drafts are proposed before any is verified."""
-    positions, proposals = [(0, None)], iter(proposals)
-    for r in stats.history:
-        q = next(proposals).log_probs if r.drafts else None
-        if q is not None:
-            q = np.exp(np.array(q, np.float64))
-        elif r.drafts:
-            q = np.eye(vocab)[r.drafts]
-        for j in range(r.accepted + (r.next_token is not None)):
-            positions.append((j, q[j] if j < r.proposed else None))
-    return positions[:length]
-
-
-def probability_integral_transforms(model, runs, positions, settings, processors):
-    """For every emitted token ``y``: ``P(Y before y) + v P(y)`` (``v``
-    uniform) under the target's exact distribution ``p`` given the emitted
-    prefix (the request's processors, then the sampler's settings), and a
-    cut. Where the drafter proposed ``q``, the vocabulary is ordered by
-    ``q - p`` (what the drafter over-proposes first) and the cut is the mass
-    ``p`` gives the over-proposed tokens; elsewhere it is ordered by ``p``
-    and there is no cut (``nan``)."""
-    history = mx.array([PROMPT + tokens for tokens in runs])
-    logits = model(history)[:, len(PROMPT) - 1 : -1]
-    if processors:
-        logits = mx.stack(
-            [
-                mx.concatenate(
-                    [
-                        functools.reduce(
-                            lambda row, f: f(history[r, : len(PROMPT) + i], row),
-                            processors,
-                            logits[r, i : i + 1],
-                        )
-                        for i in range(logits.shape[1])
-                    ]
-                )
-                for r in range(len(runs))
-            ]
-        )
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    probs = np.exp(np.array(SamplingSpec(**settings).log_probs(logprobs), np.float64))
-    rng = np.random.default_rng(0)
-    transforms, cuts = [], []
-    for tokens, p_run, q_run in zip(runs, probs, positions):
-        for y, p, (_, q) in zip(tokens, p_run, q_run):
-            order = np.argsort(-(p if q is None else q - p), kind="stable")
-            rank = np.argmax(order == y)
-            transforms.append(p[order[:rank]].sum() + rng.random() * p[y])
-            cuts.append(np.nan if q is None else p[q > p].sum())
-    return np.array(transforms), np.array(cuts)
-
-
-def last_token_bias(tokens, logits):
-    """A logits processor that moves a seventh of the vocabulary, which one
-    depending on the last token: a change at every position, right only
-    with the right history."""
-    return logits + 2.0 * (mx.arange(logits.shape[-1]) % 7 == tokens[-1] % 7)
-
-
 PIT = [
     ("rejection", "none", None),
     ("rejection", "biased", None),
@@ -436,7 +389,8 @@ def test_every_offset_of_a_round_has_the_targets_distribution(
         return proposals[-1]
 
     monkeypatch.setattr(drafter, "propose", recording)
-    runs, positions = [], []
+    rng = np.random.default_rng(0)
+    transforms, cuts, offsets = [], [], []
     for seed in range(60):
         mx.random.seed(seed)
         tokens, stats = speculative(
@@ -448,26 +402,16 @@ def test_every_offset_of_a_round_has_the_targets_distribution(
             logits_processors=processors,
             scheduler=scheduler,
         )
-        runs.append(tokens)
-        positions.append(round_positions(stats, proposals, 24, model.args.vocab_size))
+        qs = [p.log_probs for p in proposals]
+        positions = round_positions(stats, qs, 24, model.args.vocab_size)
+        probs = target_probabilities(model, PROMPT, tokens, settings, processors)
+        t, c = probability_integral_transforms(tokens, probs, positions, rng)
+        transforms += t
+        cuts += c
+        offsets += [j for j, _ in positions]
         proposals.clear()
     assert stats.acceptance_rule == rule
-    transforms, cuts = probability_integral_transforms(
-        model, runs, positions, settings, processors
-    )
-    offsets = np.minimum([j for run in positions for j, _ in run], 2)
-    for offset in range(3):
-        group = transforms[offsets == offset]
-        assert group.size > 100
-        deciles = Counter(np.minimum(group * 10, 9).astype(int).tolist())
-        assert goodness_of_fit(deciles, dict.fromkeys(range(10), 0.1)) > ALPHA
-        # Below the cut exactly as often as the cut says: a martingale
-        # (the cut is known before the token), two-sided z-test.
-        cut = cuts[offsets == offset]
-        below, cut = group[~np.isnan(cut)] < cut[~np.isnan(cut)], cut[~np.isnan(cut)]
-        z = (below - cut).sum() / np.sqrt((cut * (1 - cut)).sum())
-        assert offset == 0 or below.size > 50
-        assert math.erfc(abs(z) / math.sqrt(2)) > ALPHA
+    check_every_offset(transforms, cuts, offsets, ALPHA)
 
 
 def run_tokens(sampler, seed, max_tokens=24, processors=None):
@@ -494,6 +438,106 @@ def test_same_seed_same_output():
     b, _ = run_tokens(sampler, seed=5)
     c, _ = run_tokens(sampler, seed=6)
     assert [t for t, _, _ in a] == [t for t, _, _ in b] != [t for t, _, _ in c]
+
+
+# Sampler settings for random tiny models: at temperature 2 to 4 a random
+# drafter's drafts are often accepted (rounds of several accepted drafts).
+SAMPLED = [
+    ("rejection", dict(temp=2.0)),
+    ("rejection", dict(temp=4.0)),
+    ("rejection", dict(temp=3.0, top_p=0.9)),
+    ("rejection", dict(temp=2.0, top_k=12)),
+    ("match", dict(temp=3.0)),
+]
+
+
+def sampler_of(rule, settings):
+    return (make_sampler if rule == "rejection" else mlx_lm_make_sampler)(**settings)
+
+
+@st.composite
+def sampled_stop_cases(draw):
+    """A random Gemma-4 target and DSpark/DFlash drafter, a prompt, a budget,
+    sampler settings, a seed, and which tokens of the unstopped output
+    become stop tokens (see ``pick_stops``)."""
+    layers = draw(st.integers(2, 4))
+    target_kwargs = dict(layers=layers, window=draw(st.integers(2, 6)))
+    drafter_kwargs = random_drafter_kwargs(draw, layers)
+    return dict(
+        target_kwargs=target_kwargs,
+        drafter_kwargs=drafter_kwargs,
+        model_seed=draw(st.integers(0, 10_000)),
+        prompt=draw(st.lists(st.integers(0, 95), min_size=1, max_size=16)),
+        max_tokens=draw(st.integers(1, 40)),
+        sampling=draw(st.sampled_from(SAMPLED)),
+        seed=draw(st.integers(0, 10_000)),
+        where=draw(st.sampled_from(["last draft", "draft", "any"])),
+        picks=draw(st.lists(st.integers(0, 1000), min_size=1, max_size=3)),
+    )
+
+
+@given(sampled_stop_cases())
+def test_sampled_stop_tokens_cut_the_sampled_output_exactly(tiny_pair, case):
+    """With sampling, stop tokens end the output exactly at the first of
+    them: for a seed, the speculative output with stop tokens (the engine's
+    ``stop_tokens``, and ``stream_generate`` with them as the tokenizer's
+    EOS) is the one without them, cut after the first stop token, each
+    token from a draft or not alike, and the rounds are the same but the
+    last, which a stop among its accepted drafts ends there (no target
+    token); the stop tokens picked among the drafts a round accepted, the
+    last of them, or any token.
+
+    Exact for a seed because stop tokens decide only where a round's emitted
+    tokens end: everything before the stop, the random numbers drawn
+    included, is the same. (Not the plain sampled output for the seed:
+    speculative rounds draw other random numbers than one token at a time.
+    That the unstopped output is distributed as plain sampling is the
+    offset test's; with this property, so is the stopped one: plain
+    sampling cut at the first stop.)"""
+    model = tiny_gemma4(seed=case["model_seed"], **case["target_kwargs"])
+    drafter = tiny_dspark(
+        gemma4_text_args(**case["target_kwargs"]),
+        seed=case["model_seed"] + 1,
+        **case["drafter_kwargs"],
+    )
+    rule, settings = case["sampling"]
+    prompt, max_tokens = case["prompt"], case["max_tokens"]
+
+    def steps(**kwargs):
+        mx.random.seed(case["seed"])
+        stats = SpeculativeStats(drafter.name, drafter.block_size)
+        out = speculative_generate_step(
+            mx.array(prompt),
+            model,
+            drafter,
+            max_tokens=max_tokens,
+            sampler=sampler_of(rule, settings),
+            stats=stats,
+            **kwargs,
+        )
+        return [(t, d) for t, _, d in out], stats
+
+    full, full_stats = steps()
+    tokens, flags = [t for t, _ in full], [d for _, d in full]
+    stops = pick_stops(tokens, flags, case["where"], case["picks"])
+    cut = len(cut_at_stop(tokens, stops))
+    expected = full[:cut]
+    ours, stats = steps(stop_tokens=stops)
+    assert ours == expected
+    assert rounds(stats) == rounds_cut_at(full_stats, cut)
+
+    tokenizer = copy.deepcopy(tiny_pair[1])
+    tokenizer.eos_token_ids = stops
+    mx.random.seed(case["seed"])
+    responses = mlx_dspark.stream_generate(
+        model,
+        tokenizer,
+        prompt,
+        draft=drafter,
+        max_tokens=max_tokens,
+        sampler=sampler_of(rule, settings),
+    )
+    assert [(r.token, r.from_draft) for r in responses] == expected
 
 
 def test_logprobs_are_the_targets_processed_log_probabilities():

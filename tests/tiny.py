@@ -191,3 +191,56 @@ def speculative(model, drafter, prompt, max_tokens, stats=None, **kwargs):
         mx.array(prompt), model, drafter, max_tokens=max_tokens, stats=stats, **kwargs
     )
     return [t for t, _, _ in steps], stats
+
+
+def rounds(stats):
+    """What each round of ``stats`` drafted, verified, kept and added."""
+    return [(r.drafts, r.proposed, r.accepted, r.next_token) for r in stats.history]
+
+
+def rounds_cut_at(stats, length):
+    """``rounds(stats)`` of a generation cut after ``length`` tokens by a
+    stop token: the rounds that emitted them, a stop among a round's
+    accepted drafts ending the round there, without the target's token (as
+    in DeepSpec)."""
+    cut, emitted = [], 1  # the first token is the prompt's
+    for r in stats.history:
+        if emitted >= length:
+            break
+        j = length - 1 - emitted  # the last token's offset in this round
+        if j < r.accepted:
+            cut.append((r.drafts, j + 1, j + 1, None))
+            break
+        cut.append((r.drafts, r.proposed, r.accepted, r.next_token))
+        emitted += r.accepted + (r.next_token is not None)
+    return cut
+
+
+def cut_at_stop(tokens, stops):
+    """``tokens`` up to and including the first of ``stops``."""
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[: i + 1]
+    return tokens
+
+
+def from_drafts(stats):
+    """For each token of a generation, whether it was an accepted draft."""
+    flags = [False]
+    for r in stats.history:
+        flags += [True] * r.accepted + [False] * (r.next_token is not None)
+    return flags
+
+
+def pick_stops(tokens, flags, where, picks):
+    """Stop tokens for a generation of ``tokens`` (``flags``: from
+    ``from_drafts``): for each of ``picks`` (any integers), the token at one
+    of the positions ``where`` names: ``"last draft"`` (a round's last
+    accepted draft), ``"draft"`` (any accepted draft) or ``"any"`` (any
+    token, also where there is no such draft)."""
+    n = min(len(tokens), len(flags))
+    positions = {
+        "last draft": [i for i in range(n) if flags[i] and (i + 1 == n or not flags[i + 1])],
+        "draft": [i for i in range(n) if flags[i]],
+    }.get(where) or range(n)
+    return {tokens[positions[p % len(positions)]] for p in picks}
