@@ -165,7 +165,21 @@ MUTANTS = [
         SPEC + "engine.py",
         "for i, t in enumerate(emitted[:accepted]):",
         "for i, t in enumerate(emitted[: accepted - 1]):",
-        ("tests/test_lossless.py", "-k", "stop_token"),
+        ("tests/test_lossless.py", "tests/test_sampling.py", "-k", "stop_token"),
+    ),
+    Mutant(
+        "stop tokens among accepted drafts ignored",
+        SPEC + "engine.py",
+        "if t in stop_tokens:",
+        "if False:",
+        ("tests/test_lossless.py", "tests/test_sampling.py", "-k", "stop_token"),
+    ),
+    Mutant(
+        "stream_generate ignores a stop token at the first token",
+        "mlx_dspark/generation.py",
+        "            if token in tokenizer.eos_token_ids:\n                break",
+        "            if token in tokenizer.eos_token_ids and n:\n                break",
+        ("tests/test_sampling.py", "-k", "sampled_stop"),
     ),
     Mutant(
         "target cache keeps one rejected draft",
@@ -208,7 +222,50 @@ MUTANTS = [
         "mlx_dspark/batching/generator.py",
         "kept = min(accepted[b], len(emitted))",
         "kept = accepted[b]",
-        ("tests/test_batching.py", "-k", "alone"),
+        ("tests/test_batching.py", "-k", "alone or sampled_stop"),
+    ),
+    Mutant(
+        "batch stop among accepted drafts does not end the row's round",
+        "mlx_dspark/batching/generator.py",
+        "                if reason:\n                    break\n",
+        "",
+        ("tests/test_batching.py", "-k", "sampled_stop"),
+    ),
+    Mutant(
+        "batch stop tokens among accepted drafts ignored",
+        "mlx_dspark/batching/generator.py",
+        "reason = self._finish_reason(s, t)\n",
+        "reason = self._finish_reason(s, t) if len(emitted) > accepted[b] else None\n",
+        ("tests/test_batching.py", "-k", "sampled_stop"),
+    ),
+    Mutant(
+        "batch stop token in the last accepted draft missed",
+        "mlx_dspark/batching/generator.py",
+        "reason = self._finish_reason(s, t)\n",
+        "reason = self._finish_reason(s, t) if len(emitted) != accepted[b] else None\n",
+        ("tests/test_batching.py", "-k", "sampled_stop"),
+    ),
+    Mutant(
+        "batch rejection row judged with the next row's drafter distribution",
+        "mlx_dspark/batching/generator.py",
+        "draft_log_probs = proposal.log_probs[b] if",
+        "draft_log_probs = proposal.log_probs[(b + 1) % len(sequences)] if",
+        ("tests/test_batching.py", "-k", "every_offset"),
+    ),
+    Mutant(
+        "batch rejection row judged with its first draft's distribution everywhere",
+        "mlx_dspark/batching/generator.py",
+        "draft_log_probs = proposal.log_probs[b] if",
+        "draft_log_probs = mx.broadcast_to(proposal.log_probs[b, :1], "
+        "proposal.log_probs[b].shape) if",
+        ("tests/test_batching.py", "-k", "every_offset"),
+    ),
+    Mutant(
+        "batch processors' history misses the anchor",
+        "mlx_dspark/batching/generator.py",
+        "return mx.array(self.tokens + [self.anchor], mx.uint32)",
+        "return mx.array(self.tokens, mx.uint32)",
+        ("tests/test_batching.py", "-k", "own_history"),
     ),
     Mutant(
         "pipelined round built from the host's anchors of the round before",
@@ -252,13 +309,6 @@ MUTANTS = [
         "self._idx -= max(counts)",
         ("tests/test_batching.py", "-k", "greedy or roll_back"),
     ),
-    Mutant(
-        "batch sliding mask one key too wide",
-        "mlx_dspark/cache.py",
-        "mask = mask & (keys > queries - window)",
-        "mask = mask & (keys >= queries - window)",
-        ("tests/test_batching.py", "-k", "tiny_windows"),
-    ),
     # Confidence.
     Mutant(
         "survival without the product",
@@ -268,8 +318,9 @@ MUTANTS = [
         ("tests/test_confidence.py",),
     ),
     # The rollback cache.
+    # One visibility rule for both rollback caches (the batch's included).
     Mutant(
-        "sliding-window mask one key too wide (single-stream cache)",
+        "sliding-window mask one key too wide",
         "mlx_dspark/cache.py",
         "mask = mask & (keys > queries - window)",
         "mask = mask & (keys >= queries - window)",

@@ -451,6 +451,10 @@ SAMPLED = [
 ]
 
 
+# Where ``pick_stops`` picks stop tokens: each sampled stop test tries all.
+STOP_AT = ["last draft", "inner draft", "first", "any"]
+
+
 def sampler_of(rule, settings):
     return (make_sampler if rule == "rejection" else mlx_lm_make_sampler)(**settings)
 
@@ -459,7 +463,7 @@ def sampler_of(rule, settings):
 def sampled_stop_cases(draw):
     """A random Gemma-4 target and DSpark/DFlash drafter, a prompt, a budget,
     sampler settings, a seed, and which tokens of the unstopped output
-    become stop tokens (see ``pick_stops``)."""
+    become stop tokens (``picks``, see ``pick_stops``)."""
     layers = draw(st.integers(2, 4))
     target_kwargs = dict(layers=layers, window=draw(st.integers(2, 6)))
     drafter_kwargs = random_drafter_kwargs(draw, layers)
@@ -471,7 +475,6 @@ def sampled_stop_cases(draw):
         max_tokens=draw(st.integers(1, 40)),
         sampling=draw(st.sampled_from(SAMPLED)),
         seed=draw(st.integers(0, 10_000)),
-        where=draw(st.sampled_from(["last draft", "draft", "any"])),
         picks=draw(st.lists(st.integers(0, 1000), min_size=1, max_size=3)),
     )
 
@@ -484,8 +487,8 @@ def test_sampled_stop_tokens_cut_the_sampled_output_exactly(tiny_pair, case):
     EOS) is the one without them, cut after the first stop token, each
     token from a draft or not alike, and the rounds are the same but the
     last, which a stop among its accepted drafts ends there (no target
-    token); the stop tokens picked among the drafts a round accepted, the
-    last of them, or any token.
+    token); stop tokens picked among a round's accepted drafts (its last
+    one, or one another follows), the first token, and any tokens.
 
     Exact for a seed because stop tokens decide only where a round's emitted
     tokens end: everything before the stop, the random numbers drawn
@@ -519,26 +522,25 @@ def test_sampled_stop_tokens_cut_the_sampled_output_exactly(tiny_pair, case):
 
     full, full_stats = steps()
     tokens, flags = [t for t, _ in full], [d for _, d in full]
-    stops = pick_stops(tokens, flags, case["where"], case["picks"])
-    cut = len(cut_at_stop(tokens, stops))
-    expected = full[:cut]
-    ours, stats = steps(stop_tokens=stops)
-    assert ours == expected
-    assert rounds(stats) == rounds_cut_at(full_stats, cut)
-
     tokenizer = copy.deepcopy(tiny_pair[1])
-    tokenizer.eos_token_ids = stops
-    mx.random.seed(case["seed"])
-    responses = mlx_dspark.stream_generate(
-        model,
-        tokenizer,
-        prompt,
-        draft=drafter,
-        max_tokens=max_tokens,
-        sampler=sampler_of(rule, settings),
-    )
-    assert [(r.token, r.from_draft) for r in responses] == expected
+    for where in STOP_AT:
+        stops = pick_stops(tokens, flags, where, case["picks"])
+        cut = len(cut_at_stop(tokens, stops))
+        ours, stats = steps(stop_tokens=stops)
+        assert ours == full[:cut], where
+        assert rounds(stats) == rounds_cut_at(rounds(full_stats), cut), where
 
+        tokenizer.eos_token_ids = stops
+        mx.random.seed(case["seed"])
+        responses = mlx_dspark.stream_generate(
+            model,
+            tokenizer,
+            prompt,
+            draft=drafter,
+            max_tokens=max_tokens,
+            sampler=sampler_of(rule, settings),
+        )
+        assert [(r.token, r.from_draft) for r in responses] == full[:cut], where
 
 def test_logprobs_are_the_targets_processed_log_probabilities():
     model, _ = tiny()

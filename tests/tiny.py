@@ -198,21 +198,21 @@ def rounds(stats):
     return [(r.drafts, r.proposed, r.accepted, r.next_token) for r in stats.history]
 
 
-def rounds_cut_at(stats, length):
-    """``rounds(stats)`` of a generation cut after ``length`` tokens by a
+def rounds_cut_at(full, length):
+    """``full`` (``rounds`` of a generation) cut after ``length`` tokens by a
     stop token: the rounds that emitted them, a stop among a round's
     accepted drafts ending the round there, without the target's token (as
     in DeepSpec)."""
     cut, emitted = [], 1  # the first token is the prompt's
-    for r in stats.history:
+    for drafts, proposed, accepted, next_token in full:
         if emitted >= length:
             break
         j = length - 1 - emitted  # the last token's offset in this round
-        if j < r.accepted:
-            cut.append((r.drafts, j + 1, j + 1, None))
+        if j < accepted:
+            cut.append((drafts, j + 1, j + 1, None))
             break
-        cut.append((r.drafts, r.proposed, r.accepted, r.next_token))
-        emitted += r.accepted + (r.next_token is not None)
+        cut.append((drafts, proposed, accepted, next_token))
+        emitted += accepted + (next_token is not None)
     return cut
 
 
@@ -236,11 +236,14 @@ def pick_stops(tokens, flags, where, picks):
     """Stop tokens for a generation of ``tokens`` (``flags``: from
     ``from_drafts``): for each of ``picks`` (any integers), the token at one
     of the positions ``where`` names: ``"last draft"`` (a round's last
-    accepted draft), ``"draft"`` (any accepted draft) or ``"any"`` (any
-    token, also where there is no such draft)."""
-    n = min(len(tokens), len(flags))
+    accepted draft), ``"inner draft"`` (an accepted draft another one
+    follows), ``"first"`` (the first token) or ``"any"`` (any token, also
+    where there is no such draft)."""
+    n = len(tokens)
+    follows = [i + 1 < n and flags[i + 1] for i in range(n)]
     positions = {
-        "last draft": [i for i in range(n) if flags[i] and (i + 1 == n or not flags[i + 1])],
-        "draft": [i for i in range(n) if flags[i]],
+        "last draft": [i for i in range(n) if flags[i] and not follows[i]],
+        "inner draft": [i for i in range(n) if flags[i] and follows[i]],
+        "first": [0],
     }.get(where) or range(n)
     return {tokens[positions[p % len(positions)]] for p in picks}
