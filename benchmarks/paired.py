@@ -14,6 +14,7 @@ the verdict and the bookkeeping). Writes JSON lines to ``--out`` and stdout.
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -55,6 +56,7 @@ def main():
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--target-bits", type=int, nargs="+", default=[16, 4])
     parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS))
+    parser.add_argument("--schedulers", nargs="+", default=["fixed"], choices=["fixed", "cost"])
     parser.add_argument("--out", default="paired.jsonl")
     args = parser.parse_args()
 
@@ -77,12 +79,12 @@ def main():
             shapes.quantize(model, bits)
         for name, drafter in drafters.items():
             t_verify, t_draft = components(model, drafter, prompt, drafter.block_size)
-            for tau in args.taus:
+            for tau, scheduler in itertools.product(args.taus, args.schedulers):
                 stats = mlx_dspark.SpeculativeStats(drafter.name, drafter.block_size)
 
                 def speculative():
                     return mlx_dspark.speculative_generate_step(
-                        prompt, model, drafter, max_tokens=args.max_tokens, stats=stats
+                        prompt, model, drafter, max_tokens=args.max_tokens, stats=stats, scheduler=scheduler
                     )
 
                 with replayed_acceptance(tau, drafter.block_size):
@@ -97,18 +99,23 @@ def main():
                         model, drafter, prompt, args.max_tokens, drafter.block_size
                     )
                 ratios = sorted(s / p for p, s in runs)
+                # How much plain decoding moves between consecutive pairs:
+                # the noise a speedup near 1.0 must be read against.
+                plain_noise = sorted(b[0] / a[0] for a, b in zip(runs, runs[1:])) or [1.0]
                 plain_tps = statistics.median(p for p, _ in runs)
                 bound = stats.tau / plain_tps / (t_verify + t_draft)
                 speedup = statistics.median(ratios)
                 record = {
                     "target_bits": bits,
                     "drafter": name,
+                    "scheduler": scheduler,
                     "replayed_tau": tau,
                     "tau": round(stats.tau, 3),
                     "plain_tok_s": round(plain_tps, 2),
                     "spec_tok_s": round(statistics.median(s for _, s in runs), 2),
                     "speedup": round(speedup, 3),
                     "speedup_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+                    "plain_vs_plain_range": [round(plain_noise[0], 3), round(plain_noise[-1], 3)],
                     "bound_speedup": round(bound, 3),
                     "speedup_over_bound": round(speedup / bound, 3),
                     "t_verify_ms": round(1000 * t_verify, 2),

@@ -10,6 +10,9 @@ per-request tokens/s (completion tokens over the request's own time) and
 time to first token (p50, p95), plus the aggregate ratio to stock.
 
 Default: the bundled tiny Gemma-4 pair on this machine, real acceptance.
+With ``--replay-tau`` the servers replay that mean acceptance length
+(``speculative.replayed_acceptance``), for random-weight pairs such as the
+12B-shaped ones ``write_shapes.py`` writes.
 """
 
 import argparse
@@ -49,7 +52,7 @@ class Server:
         env.pop("MLX_DSPARK_DISABLE", None)
         self.process = subprocess.Popen(
             [
-                str(Path(sys.executable).parent / "mlx_lm.server"),
+                sys.executable, str(Path(__file__).with_name("serve.py")),
                 "--model", str(model), "--port", str(self.port), *flags,
             ],
             stdout=self.log.open("w"),
@@ -157,8 +160,13 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=24)
     parser.add_argument("--waves", type=int, default=3)
+    parser.add_argument("--replay-tau", type=float, help="replayed acceptance (random-weight pairs)")
+    parser.add_argument("--replay-block", type=int, default=7, help="the drafter's block size")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
+    if args.replay_tau:
+        os.environ["MLX_DSPARK_REPLAY_TAU"] = str(args.replay_tau)
+        os.environ["MLX_DSPARK_REPLAY_BLOCK"] = str(args.replay_block)
 
     with tempfile.TemporaryDirectory() as logs:
         servers = {

@@ -133,7 +133,11 @@ def _finish(model: nn.Module, dtype, bits):
 
 
 def make_target(scale=1, dtype=mx.bfloat16, bits=None):
-    args = gemma4_text.ModelArgs.from_dict(target_config(scale))
+    return make_target_from(target_config(scale), dtype, bits)
+
+
+def make_target_from(config: dict, dtype=mx.bfloat16, bits=None):
+    args = gemma4_text.ModelArgs.from_dict(config)
     return _finish(gemma4_text.Model(args), dtype, bits)
 
 
