@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -85,7 +86,11 @@ class Server:
         )
         start = time.perf_counter()
         first, tokens = None, 0
-        with urllib.request.urlopen(request, timeout=600) as response:
+        try:
+            response = urllib.request.urlopen(request, timeout=600)
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"HTTP {e.code}: {e.read().decode()[:500]}") from None
+        with response:
             for line in response:
                 if not line.startswith(b"data: {"):
                     continue
