@@ -20,7 +20,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.cache import _BaseCache
-from mlx_lm.models.gemma4_text import geglu
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..cache import SlidingWindowKVCache
@@ -43,6 +42,7 @@ from ..plugins import DrafterKind, architecture, hookimpl
 from ..targets.base import FINAL
 from ..validation import check, problem
 from .base import Proposal
+from .layers import GemmaDecoderLayer, QueryAttention
 
 ARCHITECTURES = ("Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM")
 MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
@@ -88,7 +88,7 @@ class ModelArgs(BaseModelArgs):
         self.text = TextArgs.from_dict(self.text_config)
 
 
-class Attention(nn.Module):
+class Attention(QueryAttention):
     """Queries only: keys and values are the target's."""
 
     def __init__(self, args: TextArgs, layer_type: str):
@@ -96,6 +96,7 @@ class Attention(nn.Module):
         full = layer_type == "full_attention"
         self.n_heads = args.num_attention_heads
         self.head_dim = args.global_head_dim if full else args.head_dim
+        self.scale = 1.0
         self.q_proj = nn.Linear(
             args.hidden_size, self.n_heads * self.head_dim, bias=False
         )
@@ -113,53 +114,17 @@ class Attention(nn.Module):
         )
 
     def __call__(self, x: mx.array, kv, position: int) -> mx.array:
-        B, L, _ = x.shape
         keys, values, mask = kv
-        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
-        queries = self.rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=position)
-        output = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=1.0, mask=mask
-        )
-        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, args: TextArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, args: TextArgs, layer_type: str):
-        super().__init__()
-        eps = args.rms_norm_eps
-        self.layer_type = layer_type
-        self.self_attn = Attention(args, layer_type)
-        self.mlp = MLP(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
-        self.pre_feedforward_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
-        self.post_feedforward_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
-        self.layer_scalar = mx.ones((1,))
-
-    def __call__(self, x: mx.array, kv, position: int) -> mx.array:
-        h = self.self_attn(self.input_layernorm(x), kv, position)
-        h = x + self.post_attention_layernorm(h)
-        r = self.mlp(self.pre_feedforward_layernorm(h))
-        h = h + self.post_feedforward_layernorm(r)
-        return h * self.layer_scalar
+        return self.attend(self.queries(x, position), keys, values, mask)
 
 
 class TextModel(nn.Module):
     def __init__(self, args: TextArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
+        self.layers = [
+            GemmaDecoderLayer(args, Attention(args, t)) for t in args.layer_types
+        ]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
@@ -205,8 +170,8 @@ class Model(nn.Module):
         """One draft step: ``[1, 1, 2 * backbone]`` inputs -> (logits ``[1, V]``,
         the next step's hidden ``[1, 1, backbone]``)."""
         x = self.pre_projection(inputs_embeds)
-        for layer in self.model.layers:
-            x = layer(x, kv[layer.layer_type], position)
+        for layer, layer_type in zip(self.model.layers, self.args.text.layer_types):
+            x = layer(x, kv[layer_type], position)
         z = self.model.norm(x)
         if self.args.use_ordered_embeddings:
             logits = self.masked_embedding(z, self.model.embed_tokens)
