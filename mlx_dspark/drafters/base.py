@@ -70,3 +70,17 @@ class Drafter(Protocol):
         ``target_cache`` is the target's, to read and never to write (a
         drafter that borrows the target's K/V). Must leave ``cache`` as it
         found it."""
+
+
+def check_pairing(refusal: str, problems: List[str], pairs, advice: str) -> None:
+    """``check_target``'s verdict: raise ``ValueError`` (``"{refusal}: {the
+    problems}. {advice}"``) if there are ``problems`` or the values of a
+    ``(what, the drafter's, the target's)`` of ``pairs`` differ; ``what``
+    says where the drafter's value goes with ``{}``."""
+    problems = problems + [
+        f"it expects {what.format(want)}, the target has {have}"
+        for what, want, have in pairs
+        if want != have
+    ]
+    if problems:
+        raise ValueError(f"{refusal}: " + "; ".join(problems) + f". {advice}")

@@ -33,7 +33,7 @@ from ..confidence.calibration import drafter_fingerprint, resolve_calibration
 from ..confidence.schedulers import make_scheduler
 from ..plugins import DrafterKind, architecture
 from ..validation import check, problem
-from .base import Proposal
+from .base import Proposal, check_pairing
 from .deepspec_model import Model
 from .heads import MARKOV_HEADS
 
@@ -133,19 +133,16 @@ class DeepSpecDrafter:
                 f"it drafts for {self.family} targets, not {target.family} "
                 f"({target.model_type})"
             )
-        for what, want, have in (
-            ("decoder layers", args.num_target_layers, target.num_layers),
-            ("hidden size", args.hidden_size, target.hidden_size),
-            ("vocabulary size", args.vocab_size, target.vocab_size),
-        ):
-            if want != have:
-                problems.append(f"it expects {want} {what}, the target has {have}")
-        if problems:
-            raise ValueError(
-                f"The drafter {self.path} was not trained for this target: "
-                + "; ".join(problems)
-                + ". Use the drafter released for your target model."
-            )
+        check_pairing(
+            f"The drafter {self.path} was not trained for this target",
+            problems,
+            (
+                ("{} decoder layers", args.num_target_layers, target.num_layers),
+                ("{} hidden size", args.hidden_size, target.hidden_size),
+                ("{} vocabulary size", args.vocab_size, target.vocab_size),
+            ),
+            "Use the drafter released for your target model.",
+        )
 
     def make_cache(self) -> list:
         return [KVCache() for _ in self.model.layers]

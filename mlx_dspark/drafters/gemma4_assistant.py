@@ -41,7 +41,7 @@ from ..checkpoints import (
 from ..plugins import DrafterKind, architecture, hookimpl
 from ..targets.base import FINAL
 from ..validation import check, problem
-from .base import Proposal
+from .base import Proposal, check_pairing
 from .layers import GemmaDecoderLayer, QueryAttention
 
 ARCHITECTURES = ("Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM")
@@ -232,6 +232,13 @@ class AssistantState(_BaseCache):
         (self.seed,) = v
 
 
+def full_kv_heads(args) -> int:
+    """The KV heads of a full-attention layer (``args``: a Gemma-4 text config)."""
+    if args.attention_k_eq_v and args.num_global_key_value_heads:
+        return args.num_global_key_value_heads
+    return args.num_key_value_heads
+
+
 class AssistantDrafter:
     """A loaded Gemma-4 assistant (see ``mlx_dspark.drafters.base.Drafter``).
 
@@ -273,46 +280,38 @@ class AssistantDrafter:
             )
         ours, theirs = self.model.args.text, target.args
         donors = target.kv_donors()
-        problems = []
-        for kind in ("sliding_attention", "full_attention"):
-            if kind not in donors:
-                problems.append(f"the target has no {kind} layer that owns its K/V")
-        full_kv_heads = (
-            theirs.num_global_key_value_heads
-            if theirs.attention_k_eq_v and theirs.num_global_key_value_heads
-            else theirs.num_key_value_heads
-        )
-        our_full_kv_heads = (
-            ours.num_global_key_value_heads
-            if ours.attention_k_eq_v and ours.num_global_key_value_heads
-            else ours.num_key_value_heads
-        )
-        for what, want, have in (
+        problems = [
+            f"the target has no {kind} layer that owns its K/V"
+            for kind in ("sliding_attention", "full_attention")
+            if kind not in donors
+        ]
+        check_pairing(
+            f"The assistant drafter {self.path} was not made for this target",
+            problems,
             (
-                "hidden size (backbone_hidden_size)",
-                self.model.args.backbone_hidden_size,
-                theirs.hidden_size,
+                (
+                    "hidden size (backbone_hidden_size) {}",
+                    self.model.args.backbone_hidden_size,
+                    theirs.hidden_size,
+                ),
+                ("vocabulary size {}", ours.vocab_size, theirs.vocab_size),
+                ("sliding-layer head dim {}", ours.head_dim, theirs.head_dim),
+                (
+                    "sliding-layer KV heads {}",
+                    ours.num_key_value_heads,
+                    theirs.num_key_value_heads,
+                ),
+                (
+                    "full-layer head dim {}",
+                    ours.global_head_dim,
+                    theirs.global_head_dim,
+                ),
+                ("full-layer KV heads {}", full_kv_heads(ours), full_kv_heads(theirs)),
+                ("attention_k_eq_v {}", ours.attention_k_eq_v, theirs.attention_k_eq_v),
+                ("sliding window {}", ours.sliding_window, theirs.sliding_window),
             ),
-            ("vocabulary size", ours.vocab_size, theirs.vocab_size),
-            ("sliding-layer head dim", ours.head_dim, theirs.head_dim),
-            (
-                "sliding-layer KV heads",
-                ours.num_key_value_heads,
-                theirs.num_key_value_heads,
-            ),
-            ("full-layer head dim", ours.global_head_dim, theirs.global_head_dim),
-            ("full-layer KV heads", our_full_kv_heads, full_kv_heads),
-            ("attention_k_eq_v", ours.attention_k_eq_v, theirs.attention_k_eq_v),
-            ("sliding window", ours.sliding_window, theirs.sliding_window),
-        ):
-            if want != have:
-                problems.append(f"it expects {what} {want}, the target has {have}")
-        if problems:
-            raise ValueError(
-                f"The assistant drafter {self.path} was not made for this target: "
-                + "; ".join(problems)
-                + ". Use the assistant released for your target model."
-            )
+            "Use the assistant released for your target model.",
+        )
         self._target = target
 
     def make_cache(self) -> list:
