@@ -147,7 +147,9 @@ class DeepSpecDrafter:
     def make_cache(self) -> list:
         return [KVCache() for _ in self.model.layers]
 
-    def commit(self, cache: list, hidden: List[mx.array]) -> None:
+    def commit(
+        self, cache: list, hidden: List[mx.array], proposal: Optional[Proposal] = None
+    ) -> None:
         self.model.add_context(mx.concatenate(hidden, axis=-1), cache)
 
     def propose(
@@ -156,6 +158,7 @@ class DeepSpecDrafter:
         anchor: mx.array,
         num_drafts: int,
         draw: Optional[Callable] = None,
+        target=None,
         target_cache: Optional[list] = None,
     ) -> Proposal:
         batch = self.propose_batch(cache, anchor.reshape(1), num_drafts, draw)

@@ -22,7 +22,6 @@ from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.cache import _BaseCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..cache import SlidingWindowKVCache
 from ..checkpoints import (
     FLAG,
     NULLABLE_SIZE,
@@ -190,14 +189,12 @@ class Model(nn.Module):
 class AssistantState(_BaseCache):
     """The assistant's part of a prompt cache: how many positions it has
     seen (in step with the target's caches), the hidden state that seeds the
-    next round, and the last target forward it saw (which K/V entries
-    transformers' view would hand the next round)."""
+    next round, and which of the target's K/V entries the next round reads
+    (transformers' view depends on the last target forward)."""
 
     def __init__(self):
         self.offset = 0
         self.seed = None
-        self.pass_start = None  # the verify forward proposed for, if any
-        self.pass_length = None
         self.view = None  # (full_end, sliding_start, sliding_end)
 
     def is_trimmable(self) -> bool:
@@ -210,7 +207,6 @@ class AssistantState(_BaseCache):
             # The seed and view of an earlier position are gone; the next
             # commit (every generation starts with one) sets them again.
             self.seed, self.view = None, None
-        self.pass_start = self.pass_length = None
         return n
 
     def size(self) -> int:
@@ -265,7 +261,6 @@ class AssistantDrafter:
         self.path = path
         self.block_size = block_size
         self.kv_view = kv_view
-        self._target = None
 
     def __repr__(self) -> str:
         return (
@@ -312,29 +307,31 @@ class AssistantDrafter:
             ),
             "Use the assistant released for your target model.",
         )
-        self._target = target
 
     def make_cache(self) -> list:
         return [AssistantState()]
 
-    def commit(self, cache: list, hidden: List[mx.array]) -> None:
+    def commit(
+        self, cache: list, hidden: List[mx.array], proposal: Optional[Proposal] = None
+    ) -> None:
         state = cache[0]
-        length = hidden[0].shape[1]
+        start = state.offset
         state.seed = hidden[0][:, -1:]
-        state.offset += length
+        state.offset += hidden[0].shape[1]
         anchor = state.offset  # the next anchor's position: P - 1 in transformers
         window = self.model.args.text.sliding_window
         if self.kv_view == "clean":
             state.view = (anchor, max(0, anchor - window + 1), anchor)
-        elif state.pass_start is None:
+        elif proposal is None:
             # After the prompt, transformers' sliding donor returned every
             # prompt entry: the view is the last W + 1 of them.
             state.view = (anchor, max(0, anchor - window - 1), anchor)
         else:
             # transformers slices the previous forward's returned K/V by
             # index to P entries: the sliding donor returned its cached
-            # entries (at most W - 1) followed by the forward's own.
-            start, length = state.pass_start, state.pass_length
+            # entries (at most W - 1) followed by the forward's own (the
+            # anchor and the drafts, from ``start``).
+            length = proposal.tokens.size + 1
             cached = min(start, window - 1)
             kept = min(cached + length, anchor + 1)
             sliding_end = start - cached + kept
@@ -343,27 +340,16 @@ class AssistantDrafter:
                 max(start - cached, sliding_end - window - 1),
                 sliding_end,
             )
-        state.pass_start = state.pass_length = None
 
-    def _kv(self, state: AssistantState, target_cache: list) -> dict:
+    def _kv(self, state: AssistantState, target, target_cache: list) -> dict:
         full_end, sliding_start, sliding_end = state.view
-        donors = self._target.kv_donors()
-        full = target_cache[donors["full_attention"]]
-        sliding = target_cache[donors["sliding_attention"]]
-        if not isinstance(sliding, SlidingWindowKVCache):
-            raise ValueError(
-                "The assistant reads the target's sliding-window cache by position; "
-                "make the prompt cache with mlx_dspark.make_prompt_cache(model, drafter)."
-            )
-        positions = sliding.slot_positions()
-        visible = (positions >= sliding_start) & (positions < sliding_end)
         return {
-            "full_attention": (
-                full.keys[..., :full_end, :],
-                full.values[..., :full_end, :],
-                None,
+            "full_attention": target.borrowed_kv(
+                target_cache, "full_attention", 0, full_end
             ),
-            "sliding_attention": (sliding.keys, sliding.values, visible[None]),
+            "sliding_attention": target.borrowed_kv(
+                target_cache, "sliding_attention", sliding_start, sliding_end
+            ),
         }
 
     def propose(
@@ -372,18 +358,18 @@ class AssistantDrafter:
         anchor: mx.array,
         num_drafts: int,
         draw: Optional[Callable] = None,
+        target=None,
         target_cache: Optional[list] = None,
     ) -> Proposal:
         state = cache[0]
-        if state.seed is None or self._target is None:
+        if state.seed is None or target is None or target_cache is None:
             raise ValueError("The assistant has no target state to draft from.")
-        kv = self._kv(state, target_cache)
+        kv = self._kv(state, target, target_cache)
         position = state.offset
-        state.pass_start, state.pass_length = position, num_drafts + 1
         token, hidden = anchor.reshape(1, 1).astype(mx.uint32), state.seed
         tokens, logits, log_probs = [], [], []
         for _ in range(num_drafts):
-            inputs = mx.concatenate([self._target.embed(token), hidden], axis=-1)
+            inputs = mx.concatenate([target.embed(token), hidden], axis=-1)
             step, hidden = self.model(inputs, kv, position)
             if draw is None:
                 token, step_log_probs = mx.argmax(step, axis=-1), None
