@@ -27,8 +27,8 @@ class Geometry:
         head_dim, num_key_value_heads: The attention's shape.
         attention_scale: The scale of ``q · k``.
         rope_theta, rope_scaling: ``initialize_rope``'s base and scaling config.
-        decoder_layer: ``decoder_layer(args, attention)``, a module of
-            ``mlx_dspark.drafters.layers``.
+        decoder_layer: ``GemmaDecoderLayer`` or ``PreNormDecoderLayer`` (of
+            ``mlx_dspark.drafters.layers``), made as ``decoder_layer(args, attention)``.
         k_eq_v: V is the K projection (there is no ``v_proj``).
         v_norm: V goes through an RMS norm without weight.
         embed_scale: The embeddings are multiplied by ``sqrt(hidden_size)``.
