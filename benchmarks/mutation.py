@@ -317,6 +317,22 @@ MUTANTS = [
         "return sigmoid(z).tolist()",
         ("tests/test_confidence.py",),
     ),
+    # What the assistant is handed: the proposal its commit takes, and the
+    # target's K/V it borrows.
+    Mutant(
+        "assistant commit ignores the proposal the forward verified",
+        "mlx_dspark/drafters/gemma4_assistant.py",
+        "elif proposal is None:",
+        "elif True:",
+        ("tests/test_assistant.py", "-k", "every_round"),
+    ),
+    Mutant(
+        "borrowed sliding K/V one position too many",
+        "mlx_dspark/targets/gemma4.py",
+        "visible = (positions >= start) & (positions < end)",
+        "visible = (positions >= start) & (positions <= end)",
+        ("tests/test_assistant.py", "-k", "every_round or clean"),
+    ),
     # The rollback cache.
     # One visibility rule for both rollback caches (the batch's included).
     Mutant(

@@ -15,6 +15,7 @@ from mlx_lm.models import gemma4_text
 
 from mlx_dspark.drafters import gemma4_assistant, gemma4_dspark
 from mlx_dspark.drafters.deepspec import DeepSpecDrafter
+from mlx_dspark.drafters.deepspec_model import Model
 from mlx_dspark.drafters.gemma4_assistant import AssistantDrafter
 
 ROPE = {
@@ -143,7 +144,7 @@ def make_target_from(config: dict, dtype=mx.bfloat16, bits=None):
 
 def make_drafter(scale=1, variant="dspark", dtype=mx.bfloat16, bits=None):
     config = drafter_config(target_config(scale), variant, scale)
-    model = gemma4_dspark.Model(gemma4_dspark.ModelArgs.from_dict(config))
+    model = Model(gemma4_dspark.ModelArgs.from_dict(config))
     return DeepSpecDrafter(
         _finish(model, dtype, bits), "gemma4", Path(f"<random {variant}>")
     )

@@ -91,7 +91,7 @@ def components(model, drafter, prompt, num_drafts):
 
     def draft():
         proposal = drafter.propose(
-            draft_cache, anchor, num_drafts, target_cache=target_cache
+            draft_cache, anchor, num_drafts, target=target, target_cache=target_cache
         )
         return proposal.tokens, proposal.confidence
 

@@ -79,7 +79,9 @@ def components(model, drafters, prompt):
             mx.eval([c.state for c in dcache])
 
         def draft():
-            p = drafter.propose(dcache, anchor, drafter.block_size, target_cache=cache)
+            p = drafter.propose(
+                dcache, anchor, drafter.block_size, target=target, target_cache=cache
+            )
             return p.tokens, p.confidence
 
         row[f"draft_{name}_ms"] = round(1000 * seconds(draft), 3)

@@ -295,7 +295,11 @@ def measure(model, drafter, target, depth: int, verify: int):
 
         def draft():
             proposal = other.propose(
-                cache, anchor, other.block_size, target_cache=target_cache
+                cache,
+                anchor,
+                other.block_size,
+                target=target,
+                target_cache=target_cache,
             )
             return proposal.tokens, proposal.confidence
 

@@ -182,10 +182,10 @@ def test_the_clean_view_is_the_targets_own_window_at_the_anchor():
     window = drafter.model.args.text.sliding_window
     kv, views = drafter._kv, []
 
-    def recording(state, target_cache):
-        result = kv(state, target_cache)
+    def recording(state, target, target_cache):
+        result = kv(state, target, target_cache)
         keys, _, visible = result["sliding_attention"]
-        sliding = target_cache[drafter._target.kv_donors()["sliding_attention"]]
+        sliding = target_cache[target.kv_donors()["sliding_attention"]]
         positions = np.array(sliding.slot_positions())[: keys.shape[2]]
         full = result["full_attention"][0].shape[2]
         views.append((state.offset, sorted(positions[np.array(visible[0])]), full))

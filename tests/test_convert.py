@@ -19,6 +19,7 @@ import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
 from mlx_dspark.convert import convert
 from mlx_dspark.drafters import gemma4_dspark
+from mlx_dspark.drafters.deepspec_model import Model
 
 from conftest import DEEPSPEC_TINY, FIXTURES
 from tiny import randomize
@@ -145,7 +146,7 @@ def test_groupable_markov_head_is_quantized_and_confidence_head_is_not(
     source.mkdir()
     (source / "config.json").write_text(json.dumps(config))
     network = randomize(
-        gemma4_dspark.Model(gemma4_dspark.ModelArgs.from_dict(config)), seed=3
+        Model(gemma4_dspark.ModelArgs.from_dict(config)), seed=3
     )
     mx.save_safetensors(
         str(source / "model.safetensors"), dict(tree_flatten(network.parameters()))

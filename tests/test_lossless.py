@@ -177,10 +177,12 @@ class ScriptedDrafter:
     def make_cache(self):
         return [Counter()]
 
-    def commit(self, cache, hidden):
+    def commit(self, cache, hidden, proposal=None):
         cache[0].offset += hidden[0].shape[1]
 
-    def propose(self, cache, anchor, num_drafts, draw=None, target_cache=None):
+    def propose(
+        self, cache, anchor, num_drafts, draw=None, target=None, target_cache=None
+    ):
         position = cache[0].offset + 1 - self.prompt_length
         drafts = list(self.continuation[position : position + num_drafts])
         drafts += [0] * (num_drafts - len(drafts))
@@ -371,11 +373,11 @@ def test_interrupted_round_leaves_a_consistent_cache(tiny_pair):
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-        def commit(self, cache, hidden):
+        def commit(self, cache, hidden, proposal=None):
             self.commits += 1
             if self.commits == self.after:
                 raise KeyboardInterrupt
-            self.inner.commit(cache, hidden)
+            self.inner.commit(cache, hidden, proposal)
 
     flaky = Interrupting(drafter, after=4)
     cache = mlx_dspark.make_prompt_cache(model, drafter)

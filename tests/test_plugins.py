@@ -49,10 +49,12 @@ class RepeatDrafter:
     def make_cache(self):
         return [Length()]
 
-    def commit(self, cache, hidden):
+    def commit(self, cache, hidden, proposal=None):
         cache[0].offset += hidden[0].shape[1]
 
-    def propose(self, cache, anchor, num_drafts, draw=None, target_cache=None):
+    def propose(
+        self, cache, anchor, num_drafts, draw=None, target=None, target_cache=None
+    ):
         return Proposal(tokens=mx.repeat(anchor.reshape(1), num_drafts).astype(mx.uint32))
 
 

@@ -11,6 +11,7 @@ from mlx_lm.models import gemma4, gemma4_text, qwen3
 from mlx_dspark import SpeculativeStats, speculative_generate_step
 from mlx_dspark.drafters import gemma4_dspark, qwen3_dspark
 from mlx_dspark.drafters.deepspec import DeepSpecDrafter
+from mlx_dspark.drafters.deepspec_model import Model
 
 ROPE = {
     "full_attention": {
@@ -149,7 +150,7 @@ def tiny_dspark(
         enable_confidence_head=confidence,
         confidence_head_with_markov=confidence and markov_rank > 0,
     )
-    model = randomize(module.Model(args), seed)
+    model = randomize(Model(args), seed)
     return DeepSpecDrafter(model, family, Path("<random>"), confidence_threshold)
 
 

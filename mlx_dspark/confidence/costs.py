@@ -163,7 +163,7 @@ def live_timer(
 
     def draft():
         proposal = drafter.propose(
-            draft_cache, anchor(), drafts, target_cache=target_cache
+            draft_cache, anchor(), drafts, target=target, target_cache=target_cache
         )
         return proposal.tokens, proposal.confidence
 

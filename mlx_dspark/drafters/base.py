@@ -51,9 +51,13 @@ class Drafter(Protocol):
     def make_cache(self) -> list:
         """Fresh drafter state."""
 
-    def commit(self, cache: list, hidden: List[mx.array]) -> None:
+    def commit(
+        self, cache: list, hidden: List[mx.array], proposal: Optional[Proposal] = None
+    ) -> None:
         """Take in the target's taps (``[1, L, d]`` each, in ``taps`` order)
-        for ``L`` new positions whose tokens are now final."""
+        for ``L`` new positions whose tokens are now final. ``proposal`` is
+        the one this drafter made that the taps' forward verified; ``None``
+        when the forward verified no drafts (a prompt, a round without any)."""
 
     def propose(
         self,
@@ -61,12 +65,28 @@ class Drafter(Protocol):
         anchor: mx.array,
         num_drafts: int,
         draw: Optional[Callable] = None,
+        target=None,
         target_cache: Optional[list] = None,
     ) -> Proposal:
         """Draft ``num_drafts`` (>= 1) tokens after ``anchor`` (the last
         emitted token, not yet in the caches). ``draw(logits)`` (``[1, V]``
         logits of one position, called in position order) returns ``(token
-        [1], log_probs [1, V] or None)``; ``None`` means argmax.
-        ``target_cache`` is the target's, to read and never to write (a
-        drafter that borrows the target's K/V). Must leave ``cache`` as it
-        found it."""
+        [1], log_probs [1, V] or None)``; ``None`` means argmax. ``target``
+        (the ``Target`` that ``check_target`` accepted) and its
+        ``target_cache`` are there to read through ``target``'s methods,
+        never to write (a drafter that borrows the target's K/V). Must leave
+        ``cache`` as it found it."""
+
+
+def check_pairing(refusal: str, problems: List[str], pairs, advice: str) -> None:
+    """``check_target``'s verdict: raise ``ValueError`` (``"{refusal}: {the
+    problems}. {advice}"``) if there are ``problems`` or the values of a
+    ``(what, the drafter's, the target's)`` of ``pairs`` differ; ``what``
+    says where the drafter's value goes with ``{}``."""
+    problems = problems + [
+        f"it expects {what.format(want)}, the target has {have}"
+        for what, want, have in pairs
+        if want != have
+    ]
+    if problems:
+        raise ValueError(f"{refusal}: " + "; ".join(problems) + f". {advice}")

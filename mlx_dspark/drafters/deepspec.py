@@ -10,6 +10,7 @@ context is every committed position's target taps, concatenated in
 """
 
 import dataclasses
+from functools import partial
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -26,11 +27,14 @@ from ..checkpoints import (
     layer_count,
     load_network,
     shape_problems,
+    tensor_shapes,
 )
 from ..confidence.calibration import drafter_fingerprint, resolve_calibration
 from ..confidence.schedulers import make_scheduler
+from ..plugins import DrafterKind, architecture
 from ..validation import check, problem
-from .base import Proposal
+from .base import Proposal, check_pairing
+from .deepspec_model import Model
 from .heads import MARKOV_HEADS
 
 # The most drafts per round a checkpoint may ask for: DeepSpec trains blocks of
@@ -129,24 +133,23 @@ class DeepSpecDrafter:
                 f"it drafts for {self.family} targets, not {target.family} "
                 f"({target.model_type})"
             )
-        for what, want, have in (
-            ("decoder layers", args.num_target_layers, target.num_layers),
-            ("hidden size", args.hidden_size, target.hidden_size),
-            ("vocabulary size", args.vocab_size, target.vocab_size),
-        ):
-            if want != have:
-                problems.append(f"it expects {want} {what}, the target has {have}")
-        if problems:
-            raise ValueError(
-                f"The drafter {self.path} was not trained for this target: "
-                + "; ".join(problems)
-                + ". Use the drafter released for your target model."
-            )
+        check_pairing(
+            f"The drafter {self.path} was not trained for this target",
+            problems,
+            (
+                ("{} decoder layers", args.num_target_layers, target.num_layers),
+                ("{} hidden size", args.hidden_size, target.hidden_size),
+                ("{} vocabulary size", args.vocab_size, target.vocab_size),
+            ),
+            "Use the drafter released for your target model.",
+        )
 
     def make_cache(self) -> list:
         return [KVCache() for _ in self.model.layers]
 
-    def commit(self, cache: list, hidden: List[mx.array]) -> None:
+    def commit(
+        self, cache: list, hidden: List[mx.array], proposal: Optional[Proposal] = None
+    ) -> None:
         self.model.add_context(mx.concatenate(hidden, axis=-1), cache)
 
     def propose(
@@ -155,6 +158,7 @@ class DeepSpecDrafter:
         anchor: mx.array,
         num_drafts: int,
         draw: Optional[Callable] = None,
+        target=None,
         target_cache: Optional[list] = None,
     ) -> Proposal:
         batch = self.propose_batch(cache, anchor.reshape(1), num_drafts, draw)
@@ -278,13 +282,23 @@ def validate_config(config: dict, path: Path, shapes: dict, fields: dict, family
         raise invalid_config(path, "DeepSpec drafter", problems)
 
 
-def load_deepspec(path: Path, model_class, args_class, family, options: dict):
-    """Load a DeepSpec drafter with the kind's ``load`` options."""
-    model = load_network(
-        path, model_class, args_class, options.pop("dtype"), options.pop("lazy")
-    )
+def load(
+    family: str,
+    args_class,
+    fields: dict,
+    family_problems,
+    path: Path,
+    config: dict,
+    confidence_threshold: float = 0.0,
+    scheduler: Optional[str] = None,
+    calibration=None,
+    dtype=None,
+    lazy=False,
+):
+    """Load a DeepSpec drafter of ``family`` (see ``drafter_kind``)."""
+    validate_config(config, path, tensor_shapes(path), fields, family_problems)
+    model = load_network(path, Model, args_class, dtype, lazy)
     fingerprint = drafter_fingerprint(path)
-    calibration = options.pop("calibration")
     if calibration not in (None, False) and model.confidence_head is None:
         raise ValueError(
             f"{path} has no confidence head (a DFlash drafter), so it takes no "
@@ -292,5 +306,26 @@ def load_deepspec(path: Path, model_class, args_class, family, options: dict):
         )
     calibration = resolve_calibration(calibration, fingerprint, model.args.block_size)
     return DeepSpecDrafter(
-        model, family, path, calibration=calibration, fingerprint=fingerprint, **options
+        model,
+        family,
+        path,
+        confidence_threshold,
+        scheduler,
+        calibration=calibration,
+        fingerprint=fingerprint,
+    )
+
+
+def drafter_kind(
+    family: str, name: str, args_class, fields: dict, family_problems
+) -> DrafterKind:
+    """The kind of DeepSpec's ``name`` checkpoints (``architectures[0]``),
+    drafters for ``family`` targets: their config is ``args_class``, checked
+    against the keys every family needs plus ``fields``, then by
+    ``family_problems(config)`` (see ``validate_config``)."""
+    return DrafterKind(
+        name=f"deepspec-{family}",
+        architectures=(name,),
+        detect=lambda config: architecture(config) == name,
+        load=partial(load, family, args_class, fields, family_problems),
     )

@@ -20,10 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.cache import _BaseCache
-from mlx_lm.models.gemma4_text import geglu
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..cache import SlidingWindowKVCache
 from ..checkpoints import (
     FLAG,
     NULLABLE_SIZE,
@@ -42,7 +40,8 @@ from ..checkpoints import (
 from ..plugins import DrafterKind, architecture, hookimpl
 from ..targets.base import FINAL
 from ..validation import check, problem
-from .base import Proposal
+from .base import Proposal, check_pairing
+from .layers import GemmaDecoderLayer, QueryAttention
 
 ARCHITECTURES = ("Gemma4AssistantForCausalLM", "Gemma4UnifiedAssistantForCausalLM")
 MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
@@ -88,7 +87,7 @@ class ModelArgs(BaseModelArgs):
         self.text = TextArgs.from_dict(self.text_config)
 
 
-class Attention(nn.Module):
+class Attention(QueryAttention):
     """Queries only: keys and values are the target's."""
 
     def __init__(self, args: TextArgs, layer_type: str):
@@ -96,6 +95,7 @@ class Attention(nn.Module):
         full = layer_type == "full_attention"
         self.n_heads = args.num_attention_heads
         self.head_dim = args.global_head_dim if full else args.head_dim
+        self.scale = 1.0
         self.q_proj = nn.Linear(
             args.hidden_size, self.n_heads * self.head_dim, bias=False
         )
@@ -113,53 +113,17 @@ class Attention(nn.Module):
         )
 
     def __call__(self, x: mx.array, kv, position: int) -> mx.array:
-        B, L, _ = x.shape
         keys, values, mask = kv
-        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
-        queries = self.rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=position)
-        output = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=1.0, mask=mask
-        )
-        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, args: TextArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, args: TextArgs, layer_type: str):
-        super().__init__()
-        eps = args.rms_norm_eps
-        self.layer_type = layer_type
-        self.self_attn = Attention(args, layer_type)
-        self.mlp = MLP(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
-        self.pre_feedforward_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
-        self.post_feedforward_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
-        self.layer_scalar = mx.ones((1,))
-
-    def __call__(self, x: mx.array, kv, position: int) -> mx.array:
-        h = self.self_attn(self.input_layernorm(x), kv, position)
-        h = x + self.post_attention_layernorm(h)
-        r = self.mlp(self.pre_feedforward_layernorm(h))
-        h = h + self.post_feedforward_layernorm(r)
-        return h * self.layer_scalar
+        return self.attend(self.queries(x, position), keys, values, mask)
 
 
 class TextModel(nn.Module):
     def __init__(self, args: TextArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
+        self.layers = [
+            GemmaDecoderLayer(args, Attention(args, t)) for t in args.layer_types
+        ]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
@@ -205,8 +169,8 @@ class Model(nn.Module):
         """One draft step: ``[1, 1, 2 * backbone]`` inputs -> (logits ``[1, V]``,
         the next step's hidden ``[1, 1, backbone]``)."""
         x = self.pre_projection(inputs_embeds)
-        for layer in self.model.layers:
-            x = layer(x, kv[layer.layer_type], position)
+        for layer, layer_type in zip(self.model.layers, self.args.text.layer_types):
+            x = layer(x, kv[layer_type], position)
         z = self.model.norm(x)
         if self.args.use_ordered_embeddings:
             logits = self.masked_embedding(z, self.model.embed_tokens)
@@ -225,14 +189,12 @@ class Model(nn.Module):
 class AssistantState(_BaseCache):
     """The assistant's part of a prompt cache: how many positions it has
     seen (in step with the target's caches), the hidden state that seeds the
-    next round, and the last target forward it saw (which K/V entries
-    transformers' view would hand the next round)."""
+    next round, and which of the target's K/V entries the next round reads
+    (transformers' view depends on the last target forward)."""
 
     def __init__(self):
         self.offset = 0
         self.seed = None
-        self.pass_start = None  # the verify forward proposed for, if any
-        self.pass_length = None
         self.view = None  # (full_end, sliding_start, sliding_end)
 
     def is_trimmable(self) -> bool:
@@ -245,7 +207,6 @@ class AssistantState(_BaseCache):
             # The seed and view of an earlier position are gone; the next
             # commit (every generation starts with one) sets them again.
             self.seed, self.view = None, None
-        self.pass_start = self.pass_length = None
         return n
 
     def size(self) -> int:
@@ -265,6 +226,13 @@ class AssistantState(_BaseCache):
     @state.setter
     def state(self, v):
         (self.seed,) = v
+
+
+def full_kv_heads(args) -> int:
+    """The KV heads of a full-attention layer (``args``: a Gemma-4 text config)."""
+    if args.attention_k_eq_v and args.num_global_key_value_heads:
+        return args.num_global_key_value_heads
+    return args.num_key_value_heads
 
 
 class AssistantDrafter:
@@ -293,7 +261,6 @@ class AssistantDrafter:
         self.path = path
         self.block_size = block_size
         self.kv_view = kv_view
-        self._target = None
 
     def __repr__(self) -> str:
         return (
@@ -308,69 +275,63 @@ class AssistantDrafter:
             )
         ours, theirs = self.model.args.text, target.args
         donors = target.kv_donors()
-        problems = []
-        for kind in ("sliding_attention", "full_attention"):
-            if kind not in donors:
-                problems.append(f"the target has no {kind} layer that owns its K/V")
-        full_kv_heads = (
-            theirs.num_global_key_value_heads
-            if theirs.attention_k_eq_v and theirs.num_global_key_value_heads
-            else theirs.num_key_value_heads
-        )
-        our_full_kv_heads = (
-            ours.num_global_key_value_heads
-            if ours.attention_k_eq_v and ours.num_global_key_value_heads
-            else ours.num_key_value_heads
-        )
-        for what, want, have in (
+        problems = [
+            f"the target has no {kind} layer that owns its K/V"
+            for kind in ("sliding_attention", "full_attention")
+            if kind not in donors
+        ]
+        check_pairing(
+            f"The assistant drafter {self.path} was not made for this target",
+            problems,
             (
-                "hidden size (backbone_hidden_size)",
-                self.model.args.backbone_hidden_size,
-                theirs.hidden_size,
+                (
+                    "hidden size (backbone_hidden_size) {}",
+                    self.model.args.backbone_hidden_size,
+                    theirs.hidden_size,
+                ),
+                ("vocabulary size {}", ours.vocab_size, theirs.vocab_size),
+                ("sliding-layer head dim {}", ours.head_dim, theirs.head_dim),
+                (
+                    "sliding-layer KV heads {}",
+                    ours.num_key_value_heads,
+                    theirs.num_key_value_heads,
+                ),
+                (
+                    "full-layer head dim {}",
+                    ours.global_head_dim,
+                    theirs.global_head_dim,
+                ),
+                ("full-layer KV heads {}", full_kv_heads(ours), full_kv_heads(theirs)),
+                ("attention_k_eq_v {}", ours.attention_k_eq_v, theirs.attention_k_eq_v),
+                ("sliding window {}", ours.sliding_window, theirs.sliding_window),
             ),
-            ("vocabulary size", ours.vocab_size, theirs.vocab_size),
-            ("sliding-layer head dim", ours.head_dim, theirs.head_dim),
-            (
-                "sliding-layer KV heads",
-                ours.num_key_value_heads,
-                theirs.num_key_value_heads,
-            ),
-            ("full-layer head dim", ours.global_head_dim, theirs.global_head_dim),
-            ("full-layer KV heads", our_full_kv_heads, full_kv_heads),
-            ("attention_k_eq_v", ours.attention_k_eq_v, theirs.attention_k_eq_v),
-            ("sliding window", ours.sliding_window, theirs.sliding_window),
-        ):
-            if want != have:
-                problems.append(f"it expects {what} {want}, the target has {have}")
-        if problems:
-            raise ValueError(
-                f"The assistant drafter {self.path} was not made for this target: "
-                + "; ".join(problems)
-                + ". Use the assistant released for your target model."
-            )
-        self._target = target
+            "Use the assistant released for your target model.",
+        )
 
     def make_cache(self) -> list:
         return [AssistantState()]
 
-    def commit(self, cache: list, hidden: List[mx.array]) -> None:
+    def commit(
+        self, cache: list, hidden: List[mx.array], proposal: Optional[Proposal] = None
+    ) -> None:
         state = cache[0]
-        length = hidden[0].shape[1]
+        start = state.offset
         state.seed = hidden[0][:, -1:]
-        state.offset += length
+        state.offset += hidden[0].shape[1]
         anchor = state.offset  # the next anchor's position: P - 1 in transformers
         window = self.model.args.text.sliding_window
         if self.kv_view == "clean":
             state.view = (anchor, max(0, anchor - window + 1), anchor)
-        elif state.pass_start is None:
+        elif proposal is None:
             # After the prompt, transformers' sliding donor returned every
             # prompt entry: the view is the last W + 1 of them.
             state.view = (anchor, max(0, anchor - window - 1), anchor)
         else:
             # transformers slices the previous forward's returned K/V by
             # index to P entries: the sliding donor returned its cached
-            # entries (at most W - 1) followed by the forward's own.
-            start, length = state.pass_start, state.pass_length
+            # entries (at most W - 1) followed by the forward's own (the
+            # anchor and the drafts, from ``start``).
+            length = proposal.tokens.size + 1
             cached = min(start, window - 1)
             kept = min(cached + length, anchor + 1)
             sliding_end = start - cached + kept
@@ -379,27 +340,16 @@ class AssistantDrafter:
                 max(start - cached, sliding_end - window - 1),
                 sliding_end,
             )
-        state.pass_start = state.pass_length = None
 
-    def _kv(self, state: AssistantState, target_cache: list) -> dict:
+    def _kv(self, state: AssistantState, target, target_cache: list) -> dict:
         full_end, sliding_start, sliding_end = state.view
-        donors = self._target.kv_donors()
-        full = target_cache[donors["full_attention"]]
-        sliding = target_cache[donors["sliding_attention"]]
-        if not isinstance(sliding, SlidingWindowKVCache):
-            raise ValueError(
-                "The assistant reads the target's sliding-window cache by position; "
-                "make the prompt cache with mlx_dspark.make_prompt_cache(model, drafter)."
-            )
-        positions = sliding.slot_positions()
-        visible = (positions >= sliding_start) & (positions < sliding_end)
         return {
-            "full_attention": (
-                full.keys[..., :full_end, :],
-                full.values[..., :full_end, :],
-                None,
+            "full_attention": target.borrowed_kv(
+                target_cache, "full_attention", 0, full_end
             ),
-            "sliding_attention": (sliding.keys, sliding.values, visible[None]),
+            "sliding_attention": target.borrowed_kv(
+                target_cache, "sliding_attention", sliding_start, sliding_end
+            ),
         }
 
     def propose(
@@ -408,18 +358,18 @@ class AssistantDrafter:
         anchor: mx.array,
         num_drafts: int,
         draw: Optional[Callable] = None,
+        target=None,
         target_cache: Optional[list] = None,
     ) -> Proposal:
         state = cache[0]
-        if state.seed is None or self._target is None:
+        if state.seed is None or target is None or target_cache is None:
             raise ValueError("The assistant has no target state to draft from.")
-        kv = self._kv(state, target_cache)
+        kv = self._kv(state, target, target_cache)
         position = state.offset
-        state.pass_start, state.pass_length = position, num_drafts + 1
         token, hidden = anchor.reshape(1, 1).astype(mx.uint32), state.seed
         tokens, logits, log_probs = [], [], []
         for _ in range(num_drafts):
-            inputs = mx.concatenate([self._target.embed(token), hidden], axis=-1)
+            inputs = mx.concatenate([target.embed(token), hidden], axis=-1)
             step, hidden = self.model(inputs, kv, position)
             if draw is None:
                 token, step_log_probs = mx.argmax(step, axis=-1), None

@@ -1,26 +1,22 @@
 """DeepSpec's ``Qwen3DSparkModel``: the DSpark and DFlash drafters for Qwen3.
 
-The same drafter as for Gemma-4 (``gemma4_dspark``) on Qwen3's geometry:
-plain embeddings (no sqrt(d) scale), no logit soft-cap, separate K and V
-projections with q/k RMSNorm and no V norm, 1/sqrt(head_dim) attention
-scaling, standard RoPE, pre-norm SwiGLU layers.
+The network is ``deepspec_model.Model`` on Qwen3's geometry: plain embeddings
+(no sqrt(d) scale), no logit soft-cap, separate K and V projections with q/k
+RMSNorm and no V norm, 1/sqrt(head_dim) attention scaling, standard RoPE,
+pre-norm SwiGLU layers.
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, List, Optional, Union
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import BaseModelArgs
-from mlx_lm.models.rope_utils import initialize_rope
 
-from ..checkpoints import SIZE, Field, tensor_shapes
-from ..plugins import DrafterKind, architecture, hookimpl
+from ..checkpoints import SIZE, Field
+from ..plugins import hookimpl
 from ..validation import problem
-from .common import ContextBlockAttention, DrafterModel
-from .deepspec import load_deepspec, validate_config
+from .deepspec import drafter_kind
+from .deepspec_model import Geometry
+from .layers import PreNormDecoderLayer
 
 
 @dataclass
@@ -55,73 +51,16 @@ class ModelArgs(BaseModelArgs):
             if self.rope_scaling is None:
                 self.rope_scaling = self.rope_parameters
 
-
-class Attention(ContextBlockAttention):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim = args.hidden_size
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = args.head_dim
-        self.scale = self.head_dim**-0.5
-        bias = args.attention_bias
-
-        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        self.rope = initialize_rope(
-            self.head_dim,
-            base=args.rope_theta,
-            traditional=False,
-            scaling_config=args.rope_scaling,
-            max_position_embeddings=args.max_position_embeddings,
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(
+            head_dim=self.head_dim,
+            num_key_value_heads=self.num_key_value_heads,
+            attention_scale=self.head_dim**-0.5,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            decoder_layer=PreNormDecoderLayer,
         )
-
-    def queries(self, x: mx.array, offset: int) -> mx.array:
-        B, L, _ = x.shape
-        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
-        return self.rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
-
-    def keys_values(self, x: mx.array, offset: int):
-        B, L, _ = x.shape
-        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-        keys = self.rope(self.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
-        return keys, values.transpose(0, 2, 1, 3)
-
-
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.self_attn = Attention(args)
-        self.mlp = MLP(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(
-            args.hidden_size, eps=args.rms_norm_eps
-        )
-
-    def __call__(self, x: mx.array, cache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Model(DrafterModel):
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, DecoderLayer)
 
 
 FIELDS = {
@@ -148,37 +87,7 @@ def config_problems(config: dict) -> list:
     return problems
 
 
-def load(
-    path: Path,
-    config: dict,
-    confidence_threshold: float = 0.0,
-    scheduler: Optional[str] = None,
-    calibration=None,
-    dtype=None,
-    lazy=False,
-):
-    validate_config(config, path, tensor_shapes(path), FIELDS, config_problems)
-    return load_deepspec(
-        path,
-        Model,
-        ModelArgs,
-        "qwen3",
-        dict(
-            confidence_threshold=confidence_threshold,
-            scheduler=scheduler,
-            calibration=calibration,
-            dtype=dtype,
-            lazy=lazy,
-        ),
-    )
-
-
-KIND = DrafterKind(
-    name="deepspec-qwen3",
-    architectures=("Qwen3DSparkModel",),
-    detect=lambda config: architecture(config) == "Qwen3DSparkModel",
-    load=load,
-)
+KIND = drafter_kind("qwen3", "Qwen3DSparkModel", ModelArgs, FIELDS, config_problems)
 
 
 @hookimpl

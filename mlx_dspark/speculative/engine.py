@@ -265,6 +265,7 @@ def speculative_generate_step(
                         anchor,
                         num_drafts,
                         decoding.draw_for(context),
+                        target=target,
                         target_cache=target_cache,
                     )
                 num_verify = num_drafts
@@ -304,7 +305,11 @@ def speculative_generate_step(
                 for c in target_cache:
                     c.trim(num_verify + padding - accepted)
                 pacing.update(verified, accepted)
-                drafter.commit(draft_cache, [h[:, : accepted + 1] for h in out.hidden])
+                drafter.commit(
+                    draft_cache,
+                    [h[:, : accepted + 1] for h in out.hidden],
+                    proposal if num_drafts else None,
+                )
                 confidence = predicted = None
                 if proposal.confidence is not None:
                     confidence = proposal.confidence.tolist()

@@ -1,7 +1,7 @@
 """What the engine needs from a target model."""
 
 from dataclasses import dataclass
-from typing import List, Protocol, Sequence, Union
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,7 +32,12 @@ class TargetOutput:
 
 
 class Target(Protocol):
-    """A target model wrapped for speculative decoding (see ``TargetAdapter``)."""
+    """A target model wrapped for speculative decoding (see ``TargetAdapter``).
+
+    ``embed``, ``kv_donors`` and ``borrowed_kv`` are what a drafter that runs
+    on the target's own embeddings and K/V (the Gemma-4 assistant) may ask of
+    it; a target no such drafter pairs with may leave them out.
+    """
 
     model: nn.Module
     family: str  # the adapter's name; drafters check it
@@ -49,3 +54,20 @@ class Target(Protocol):
         self, inputs: mx.array, cache: list, taps: Sequence[Union[int, str]] = ()
     ) -> TargetOutput:
         """Forward ``inputs`` (``[1, L]``) through the model, updating ``cache``."""
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """The embeddings of ``tokens`` as the first layer receives them."""
+
+    def kv_donors(self) -> Dict[str, int]:
+        """For each layer type (``"sliding_attention"``, ``"full_attention"``),
+        the last layer that owns a K/V cache (the layers after it share it)."""
+
+    def borrowed_kv(
+        self, cache: list, layer_type: str, start: int, end: int
+    ) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
+        """The keys and values in ``cache`` of ``layer_type``'s K/V donor for
+        positions ``[start, end)``: ``(keys, values, mask)``, keys and values
+        ``[1, heads, S, head_dim]`` as attention takes them and ``mask``
+        (``[1, S]``) the entries that are those positions, or ``None`` when
+        all ``S`` are. Entries past the cache's offset that a rolled-back
+        forward left count as written until they are overwritten."""

@@ -49,6 +49,20 @@ class Gemma4Target:
         owners = range(args.num_hidden_layers - args.num_kv_shared_layers)
         return {args.layer_types[i]: i for i in owners}
 
+    def borrowed_kv(self, cache: list, layer_type: str, start: int, end: int):
+        donor = cache[self.kv_donors()[layer_type]]
+        if layer_type == "full_attention":  # a KVCache: position p at index p
+            return donor.keys[..., start:end, :], donor.values[..., start:end, :], None
+        if not isinstance(donor, SlidingWindowKVCache):
+            raise ValueError(
+                "A drafter reads the target's sliding-window cache by position; "
+                "make the prompt cache with "
+                "mlx_dspark.make_prompt_cache(model, drafter)."
+            )
+        positions = donor.slot_positions()
+        visible = (positions >= start) & (positions < end)
+        return donor.keys, donor.values, visible[None]
+
     def make_cache(self, max_rollback: int) -> list:
         args = self.text.args
         num_caches = args.num_hidden_layers - args.num_kv_shared_layers

@@ -13,6 +13,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from ..drafters import gemma4_dspark, qwen3_dspark
+from ..drafters.deepspec_model import Model
 
 FAMILIES = {
     "gemma4": ("Gemma4DSparkModel", gemma4_dspark),
@@ -88,7 +89,7 @@ def build(config: dict, family: str, target_model, seed: int = 0) -> nn.Module:
     does (normal(0, initializer_range) matrices, zero biases, unit norms),
     then given the target's embedding and head."""
     module = FAMILIES[family][1]
-    model = module.Model(module.ModelArgs.from_dict(config))
+    model = Model(module.ModelArgs.from_dict(config))
     std = config.get("initializer_range", 0.02)
     key = mx.random.key(seed)
 

@@ -59,10 +59,12 @@ class BigramDrafter:
     def make_cache(self):
         return [Positions()]
 
-    def commit(self, cache, hidden):
+    def commit(self, cache, hidden, proposal=None):
         cache[0].offset += hidden[0].shape[1]
 
-    def propose(self, cache, anchor, num_drafts, draw=None, target_cache=None):
+    def propose(
+        self, cache, anchor, num_drafts, draw=None, target=None, target_cache=None
+    ):
         token = anchor.reshape(1)
         tokens, log_probs = [], []
         for _ in range(num_drafts):

@@ -1,11 +1,50 @@
-"""Building blocks shared by DeepSpec's drafter networks."""
+"""DeepSpec's drafter network, for every target family.
+
+A few decoder layers whose queries are the draft block ``[anchor, mask, ...]``
+and whose keys/values are the block plus the target's hidden states of every
+committed position (projected by ``fc`` and ``hidden_norm``), without a mask:
+the block attends to the whole context and to itself bidirectionally. What a
+family changes is its ``Geometry``, which its ``ModelArgs`` gives.
+"""
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.gemma4_text import logit_softcap
+from mlx_lm.models.rope_utils import initialize_rope
 
 from .heads import ConfidenceHead, make_markov_head
+from .layers import QueryAttention
+
+
+@dataclass
+class Geometry:
+    """What DeepSpec's drafter takes from its target family.
+
+    Args:
+        head_dim, num_key_value_heads: The attention's shape.
+        attention_scale: The scale of ``q · k``.
+        rope_theta, rope_scaling: ``initialize_rope``'s base and scaling config.
+        decoder_layer: ``GemmaDecoderLayer`` or ``PreNormDecoderLayer`` (of
+            ``mlx_dspark.drafters.layers``), made as ``decoder_layer(args, attention)``.
+        k_eq_v: V is the K projection (there is no ``v_proj``).
+        v_norm: V goes through an RMS norm without weight.
+        embed_scale: The embeddings are multiplied by ``sqrt(hidden_size)``.
+        logit_softcap: Soft-cap of the base logits, if any.
+    """
+
+    head_dim: int
+    num_key_value_heads: int
+    attention_scale: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    decoder_layer: Callable
+    k_eq_v: bool = False
+    v_norm: bool = False
+    embed_scale: bool = False
+    logit_softcap: Optional[float] = None
 
 
 @dataclass
@@ -27,16 +66,53 @@ class TrainingBlocks:
     keep: mx.array
 
 
-class ContextBlockAttention(nn.Module):
+class Attention(QueryAttention):
     """Attention of the draft block over the committed context and itself.
 
-    Subclasses define ``queries(x, offset)`` and ``keys_values(x, offset)``
-    (projected, normed, rotated, ``[B, heads, L, head_dim]``) and ``scale``.
     Context K/V are written to the cache once, when committed; the block's
     K/V are attended to and then dropped, so only committed context stays
     (DeepSpec's ``crop(start)``). There is no mask: the block sees the whole
     context and itself, in both directions.
     """
+
+    def __init__(self, args):
+        super().__init__()
+        geometry = args.geometry
+        dim = args.hidden_size
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = geometry.num_key_value_heads
+        self.head_dim = geometry.head_dim
+        self.scale = geometry.attention_scale
+        self.k_eq_v = geometry.k_eq_v
+        self.v_norm = geometry.v_norm
+        self.eps = args.rms_norm_eps
+        bias = args.attention_bias
+
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        if not self.k_eq_v:
+            self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
+        self.rope = initialize_rope(
+            self.head_dim,
+            base=geometry.rope_theta,
+            traditional=False,
+            scaling_config=geometry.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+
+    def keys_values(self, x: mx.array, offset):
+        B, L, _ = x.shape
+        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        values = keys
+        if not self.k_eq_v:
+            values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        keys = self.rope(self.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
+        if self.v_norm:
+            values = mx.fast.rms_norm(values, None, self.eps)
+        return keys, values.transpose(0, 2, 1, 3)
 
     def add_context(self, context: mx.array, cache) -> None:
         cache.update_and_fetch(*self.keys_values(context, cache.offset))
@@ -69,37 +145,42 @@ class ContextBlockAttention(nn.Module):
     def __call__(self, x: mx.array, cache) -> mx.array:
         if isinstance(cache, TrainingBlocks):
             return self.attend_blocks(x, cache)
-        B, L, _ = x.shape
+        L = x.shape[1]
         offset = cache.offset
         queries = self.queries(x, offset)
         # A batch cache has rows of different lengths: hide what a row lacks.
         mask = cache.block_mask(L) if hasattr(cache, "block_mask") else None
         keys, values = cache.update_and_fetch(*self.keys_values(x, offset))
         cache.trim(L)
-        output = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=self.scale, mask=mask
-        )
-        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.attend(queries, keys, values, mask)
 
 
-class DrafterModel(nn.Module):
-    """DeepSpec's drafter network around a family's decoder layer.
+class Model(nn.Module):
+    """DeepSpec's drafter network (``Gemma4DSparkModel``, ``Qwen3DSparkModel``).
 
     The target's taps of committed positions go through ``fc`` and
     ``hidden_norm`` into every layer's context K/V; the block
     ``[anchor, mask, ...]`` goes through the layers and the final norm;
-    ``lm_head`` (plus the family's logit transform) gives the base logits,
-    which the Markov head corrects and the confidence head scores.
+    ``lm_head`` (soft-capped for Gemma-4) gives the base logits, which the
+    Markov head corrects and the confidence head scores.
+
+    Args:
+        args: A family's ``ModelArgs`` (``gemma4_dspark``, ``qwen3_dspark``):
+            the checkpoint's config, and the family's ``geometry``.
     """
 
-    def __init__(self, args, decoder_layer):
+    def __init__(self, args):
         super().__init__()
         self.args = args
+        self.geometry = geometry = args.geometry
         dim = args.hidden_size
         self.embed_tokens = nn.Embedding(args.vocab_size, dim)
         self.fc = nn.Linear(len(args.target_layer_ids) * dim, dim, bias=False)
         self.hidden_norm = nn.RMSNorm(dim, eps=args.rms_norm_eps)
-        self.layers = [decoder_layer(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [
+            geometry.decoder_layer(args, Attention(args))
+            for _ in range(args.num_hidden_layers)
+        ]
         self.norm = nn.RMSNorm(dim, eps=args.rms_norm_eps)
         self.lm_head = nn.Linear(dim, args.vocab_size, bias=False)
         self.markov_head = make_markov_head(
@@ -113,7 +194,11 @@ class DrafterModel(nn.Module):
             )
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.embed_tokens(tokens)
+        h = self.embed_tokens(tokens)
+        if self.geometry.embed_scale:
+            # transformers casts sqrt(d) to the weight dtype first (62.0 in bf16).
+            h = h * mx.array(self.args.hidden_size**0.5, dtype=h.dtype)
+        return h
 
     def add_context(self, features: mx.array, cache: list) -> None:
         context = self.hidden_norm(self.fc(features))
@@ -140,7 +225,10 @@ class DrafterModel(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: mx.array) -> mx.array:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.geometry.logit_softcap is not None:
+            logits = logit_softcap(self.geometry.logit_softcap, logits)
+        return logits
 
     def sanitize(self, weights: dict) -> dict:
         # Non-persistent buffers some exporters still write.
