@@ -35,6 +35,7 @@ TINY = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "deepspec
 MODES = {
     "stock": [],
     "batched": ["--draft-model", "{draft}", "--draft-batch-policy", "cost"],
+    "batched-fixed": ["--draft-model", "{draft}", "--draft-batch-policy", "fixed"],
     "one-at-a-time": ["--draft-model", "{draft}", "--draft-batch-policy", "off"],
 }
 
@@ -161,19 +162,22 @@ def main():
     parser.add_argument("--model", default=str(TINY / "target_tiny_gemma4"))
     parser.add_argument("--draft-model", default=str(TINY / "dspark_tiny_gemma4_block4"))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=["stock", "batched", "one-at-a-time"], choices=list(MODES))
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=24)
     parser.add_argument("--waves", type=int, default=3)
     parser.add_argument("--replay-tau", type=float, help="replayed acceptance (random-weight pairs)")
     parser.add_argument("--replay-block", type=int, default=7, help="the drafter's block size")
+    parser.add_argument("--logs", help="keep the servers' logs in this folder")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if args.replay_tau:
         os.environ["MLX_DSPARK_REPLAY_TAU"] = str(args.replay_tau)
         os.environ["MLX_DSPARK_REPLAY_BLOCK"] = str(args.replay_block)
 
-    with tempfile.TemporaryDirectory() as logs:
+    with tempfile.TemporaryDirectory() as scratch:
+        logs = args.logs or scratch
+        Path(logs).mkdir(parents=True, exist_ok=True)
         servers = {
             mode: Server(
                 args.model,
@@ -196,16 +200,16 @@ def main():
                         )
                 results[n] = {mode: summarise(ws) for mode, ws in waves.items()}
                 report(n, results[n])
+                if args.json:  # after each N, so a run cut short keeps what it measured
+                    Path(args.json).write_text(
+                        json.dumps(
+                            {"args": vars(args), "results": {str(k): v for k, v in results.items()}},
+                            indent=1,
+                        )
+                    )
         finally:
             for server in servers.values():
                 server.stop()
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"args": vars(args), "results": {str(k): v for k, v in results.items()}},
-                indent=1,
-            )
-        )
 
 
 def report(n, by_mode):

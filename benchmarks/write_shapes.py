@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten
 
 import shapes
 from mlx_dspark.drafters import gemma4_dspark
+from mlx_dspark.drafters.deepspec_model import Model
 from mlx_dspark.training import drafter as training_drafter
 
 TINY = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "deepspec-tiny" / "target_tiny_gemma4"
@@ -71,7 +72,7 @@ def write_drafter(folder: Path, target: dict, variant: str, scale: int) -> None:
         block_size=layout["block_size"], num_layers=layout["num_hidden_layers"],
         markov_rank=layout["markov_rank"], confidence_head=variant == "dspark", dtype="bfloat16",
     )
-    model = gemma4_dspark.Model(gemma4_dspark.ModelArgs.from_dict(config))
+    model = Model(gemma4_dspark.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
     training_drafter.save(model, config, folder)
