@@ -10,15 +10,18 @@ layers 0-4); the drafter's shapes do not depend on the target's depth.
 Sequences are random tokens with random bf16 features; a quarter of each is
 prompt (no loss). Weights, data and losses mean nothing: only time and memory.
 
-Each configuration runs ``--warmup`` optimizer steps (compilation), then
-``--steps`` timed ones through ``Trainer.train_step``, and reports tokens/s
-(sequence tokens through the trainer, as ``train`` logs them) and MLX's peak
-memory. One JSON line per configuration.
+Each configuration runs in a process of its own (so its peak memory is its
+own): ``--warmup`` optimizer steps (compilation), then ``--steps`` timed ones
+through ``Trainer.train_step``. It reports tokens/s (sequence tokens through
+the trainer, as ``train`` logs them) and MLX's peak memory. One JSON line per
+configuration.
 """
 
 import argparse
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -90,42 +93,52 @@ def main():
     args = p.parse_args()
 
     work = args.work or Path(tempfile.mkdtemp(prefix="mlx-dspark-train-shapes-"))
-    mx.random.seed(0)
-    config = write_target(work / "target", args.scale)
-    write_data(work / "data", config, args.batch_size * (args.warmup + args.steps), args.seq_len)
-    for variant in args.variants:
-        for dtype in args.dtypes:
-            flags = (
-                f"--model {work / 'target'} --data {work / 'data'} --out {work / variant} --variant {variant} "
-                f"--block-size 7 --layers 5 --num-anchors {args.num_anchors} --markov-rank {256 // args.scale} "
-                f"--batch-size {args.batch_size} --grad-accum {args.grad_accum} --dtype {dtype} "
-                f"--steps {args.warmup + args.steps} --holdout 0"
-            ).split()
-            trainer = Trainer(str(work / "target"), work / "data", work / variant,
-                              config_from(train_parser().parse_args(flags)), log=lambda *_: None)
-            mx.clear_cache()
-            mx.reset_peak_memory()
-            for step in range(args.warmup):
-                trainer.train_step(step)
-            tokens, tic = 0.0, time.perf_counter()
-            for step in range(args.warmup, args.warmup + args.steps):
-                tokens += trainer.train_step(step)["tokens"].item()
-            seconds = time.perf_counter() - tic
-            trainable = sum(v.size for _, v in tree_flatten(trainer.model.trainable_parameters()))
-            row = {
-                "benchmark": "train-shapes", "variant": variant, "dtype": dtype,
-                "shapes": f"gemma-4-12b drafter/{args.scale}", "trainable_params": trainable,
-                "seq_len": args.seq_len, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
-                "num_anchors": args.num_anchors, "timed_steps": args.steps,
-                "s_per_step": round(seconds / args.steps, 3), "tokens_per_s": round(tokens / seconds),
-                "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 2),
-                "backend": backend(), "mlx": mx.__version__,
-            }
-            del trainer
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with args.out.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+    if not (work / "data" / data.META).exists():
+        mx.random.seed(0)
+        config = write_target(work / "target", args.scale)
+        write_data(work / "data", config, args.batch_size * (args.warmup + args.steps), args.seq_len)
+    configurations = [(v, d) for v in args.variants for d in args.dtypes]
+    if len(configurations) > 1:
+        for variant, dtype in configurations:
+            subprocess.run(
+                [sys.executable, __file__, *sys.argv[1:], "--work", str(work), "--variants", variant, "--dtypes", dtype],
+                check=True,
+            )
+        return
+    [(variant, dtype)] = configurations
+    row = measure(work, variant, dtype, args)
+    print(json.dumps(row), flush=True)
+    if args.out:
+        with args.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def measure(work: Path, variant: str, dtype: str, args) -> dict:
+    flags = (
+        f"--model {work / 'target'} --data {work / 'data'} --out {work / variant} --variant {variant} "
+        f"--block-size 7 --layers 5 --num-anchors {args.num_anchors} --markov-rank {256 // args.scale} "
+        f"--batch-size {args.batch_size} --grad-accum {args.grad_accum} --dtype {dtype} "
+        f"--steps {args.warmup + args.steps} --holdout 0"
+    ).split()
+    trainer = Trainer(str(work / "target"), work / "data", work / variant,
+                      config_from(train_parser().parse_args(flags)), log=lambda *_: None)
+    mx.reset_peak_memory()
+    for step in range(args.warmup):
+        trainer.train_step(step)
+    tokens, tic = 0.0, time.perf_counter()
+    for step in range(args.warmup, args.warmup + args.steps):
+        tokens += trainer.train_step(step)["tokens"].item()
+    seconds = time.perf_counter() - tic
+    trainable = sum(v.size for _, v in tree_flatten(trainer.model.trainable_parameters()))
+    return {
+        "benchmark": "train-shapes", "variant": variant, "dtype": dtype,
+        "shapes": f"gemma-4-12b drafter/{args.scale}", "trainable_params": trainable,
+        "seq_len": args.seq_len, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
+        "num_anchors": args.num_anchors, "timed_steps": args.steps,
+        "s_per_step": round(seconds / args.steps, 3), "tokens_per_s": round(tokens / seconds),
+        "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 2),
+        "backend": backend(), "mlx": mx.__version__,
+    }
 
 
 if __name__ == "__main__":
