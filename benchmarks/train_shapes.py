@@ -19,7 +19,6 @@ configuration.
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,28 +29,13 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-import shapes
 from mlx_dspark.training import data
 from mlx_dspark.training.train import config_from, parser as train_parser
 from mlx_dspark.training.trainer import Trainer
 from timing import backend
+from write_shapes import write_target
 
-TOKENIZER = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "deepspec-tiny" / "target_tiny_gemma4"
 TAPS = [0, 1, 2, 3, 4]
-
-
-def write_target(folder: Path, scale: int) -> dict:
-    """A bf16 target with the 12B widths and vocabulary and six layers."""
-    config = shapes.target_config(scale)
-    config.update(num_hidden_layers=6, layer_types=config["layer_types"][:6])
-    model = shapes.make_target_from(config)
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    del model
-    (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(TOKENIZER / name, folder / name)
-    return config
 
 
 def write_data(folder: Path, config: dict, sequences: int, length: int, seed: int = 0) -> None:
@@ -95,7 +79,7 @@ def main():
     work = args.work or Path(tempfile.mkdtemp(prefix="mlx-dspark-train-shapes-"))
     if not (work / "data" / data.META).exists():
         mx.random.seed(0)
-        config = write_target(work / "target", args.scale)
+        config = write_target(work / "target", args.scale, layers=6)
         write_data(work / "data", config, args.batch_size * (args.warmup + args.steps), args.seq_len)
     configurations = [(v, d) for v in args.variants for d in args.dtypes]
     if len(configurations) > 1:

@@ -15,6 +15,7 @@ import argparse
 import json
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -56,8 +57,11 @@ def save_weights(model, folder: Path) -> None:
         mx.save_safetensors(str(folder / f"model-{i:05d}.safetensors"), weights, {"format": "mlx"})
 
 
-def write_target(folder: Path, scale: int) -> dict:
+def write_target(folder: Path, scale: int, layers: Optional[int] = None) -> dict:
+    """The target; with ``layers``, only the first ``layers`` of its layers."""
     config = {**shapes.target_config(scale), **TARGET_KEYS}
+    if layers:
+        config.update(num_hidden_layers=layers, layer_types=config["layer_types"][:layers])
     folder.mkdir(parents=True, exist_ok=True)
     save_weights(shapes.make_target_from(config), folder)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
