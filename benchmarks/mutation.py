@@ -356,6 +356,20 @@ MUTANTS = [
         "return self.offset - (self.window - 2) - self._start",
         ("tests/test_cache.py",),
     ),
+    Mutant(
+        "a joining sequence starts from the fixed prior",
+        "mlx_dspark/batching/generator.py",
+        "acceptance=self._recent.newcomer(),",
+        "acceptance=Acceptance(self.drafter.max_draft_tokens),",
+        ("tests/test_batching.py", "-k", "recent_acceptance"),
+    ),
+    Mutant(
+        "a generation's pacing forgets the drafter's earlier generations",
+        "mlx_dspark/speculative/pacing.py",
+        "self.acceptance = self.recent.newcomer()",
+        "self.acceptance = Acceptance(drafts)",
+        ("tests/test_pacing.py", "-k", "recent_acceptance"),
+    ),
 ]
 
 

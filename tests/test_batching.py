@@ -736,6 +736,31 @@ def test_the_generator_reports_each_rounds_time_to_the_policy():
         assert all(seconds > 0 for seconds in policy.observed)
 
 
+def test_a_joining_sequence_starts_from_the_drafters_recent_acceptance():
+    """A request's first rounds are chosen from what the earlier requests'
+    rounds accepted, not from a fixed guess: the policy sees the recent
+    rates for a newcomer, and a fixed prior only before any round."""
+    model, drafter = trained("gemma4")
+
+    class Recording(FixedPolicy):
+        def __init__(self):
+            self.rates = []
+
+        def choose(self, rates, caps, depth):
+            self.rates.append(rates)
+            return super().choose(rates, caps, depth)
+
+    policy = Recording()
+    generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=False)
+    run(generator, [(0, [5, 6, 7, 8, 9], dict(max_tokens=[30]))])
+    assert policy.rates[0] == [[0.5] * drafter.max_draft_tokens]
+    learned = generator._recent.rates()
+    assert learned != [0.5] * drafter.max_draft_tokens
+    policy.rates.clear()
+    run(generator, [(0, [9, 8, 7, 6, 5], dict(max_tokens=[30]))])
+    assert policy.rates[0] == [learned]
+
+
 def test_policy_choice_depends_on_batch_size():
     """The same acceptance, costs that grow with the batch: more drafts for
     one sequence than for sixteen."""

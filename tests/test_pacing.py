@@ -54,6 +54,22 @@ def test_a_jagged_curve_pads_and_parks():
     assert unpadded.drafts(6, 2048) == 0
 
 
+def test_a_generation_starts_from_the_drafters_recent_acceptance():
+    """The cost scheduler keeps its drafter's acceptance over generations:
+    after a generation that accepted nothing, the next one parks from its
+    first round, where a fresh scheduler's prior would draft."""
+    flat = [0.010] + [0.012] * 15
+    scheduler = TableCostScheduler(None, 0.002, flat)
+    first = Pacing(scheduler, None, 6)
+    assert first.acceptance.rates() == [0.5] * 6 and first.drafts(6, 2048) == 6
+    for _ in range(20):
+        first.update(6, 0)
+    second = Pacing(scheduler, None, 6)
+    assert second.acceptance.rates() == first.recent.rates()
+    assert second.drafts(6, 2048) == 0
+    assert Pacing(TableCostScheduler(None, 0.002, flat), None, 6).drafts(6, 2048) == 6
+
+
 def verify_rows_seen(monkeypatch):
     """The row counts of the target's forwards, as the engine runs them."""
     seen, adapt = [], engine.adapt_target

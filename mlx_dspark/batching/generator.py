@@ -216,6 +216,9 @@ class SpeculativeBatchGenerator:
         self._num_draft_caches = len(drafter.make_cache())
         self._cost_profile = None
         self._measuring = 0.0  # seconds spent measuring costs
+        # Every sequence's rounds, recent ones weighing more: a joining
+        # sequence's first guess of its acceptance.
+        self._recent = Acceptance(drafter.max_draft_tokens)
 
     @property
     def stream(self):
@@ -303,7 +306,7 @@ class SpeculativeBatchGenerator:
                     matcher=options["stop_sequences"][i].matcher(),
                     num_draft_tokens=drafts,
                     stats=stats_i,
-                    acceptance=Acceptance(self.drafter.max_draft_tokens),
+                    acceptance=self._recent.newcomer(),
                     total=sum(len(p) for p in parts),
                 )
             )
@@ -745,6 +748,7 @@ class SpeculativeBatchGenerator:
 
     def _record(self, s, proposed, accepted, verified, next_token, drafts, confidence):
         s.acceptance.update(proposed, accepted)
+        self._recent.update(proposed, accepted)
         temperatures = getattr(getattr(self.drafter, "calibration", None), "temperatures", None)
         predicted = None
         if confidence is not None:

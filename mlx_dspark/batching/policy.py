@@ -23,7 +23,7 @@ acceptance and times, and the measured costs.
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 from ..confidence.costs import RoundCosts
 
@@ -38,11 +38,12 @@ RATIO_WEIGHT = 0.2
 @dataclass
 class Acceptance:
     """Counts of verified and accepted drafts by position, with a prior of
-    ``prior_weight`` rounds at rate ``prior``; recent rounds weigh more
-    (each count decays by ``decay`` per update)."""
+    ``prior_weight`` rounds at rate ``prior`` (one rate, or one per
+    position); recent rounds weigh more (each count decays by ``decay`` per
+    update)."""
 
     positions: int
-    prior: float = 0.5
+    prior: Union[float, Sequence[float]] = 0.5
     prior_weight: float = 2.0
     decay: float = 0.9
     verified: List[float] = field(default_factory=list)
@@ -51,6 +52,8 @@ class Acceptance:
     def __post_init__(self):
         self.verified = [0.0] * self.positions
         self.accepted = [0.0] * self.positions
+        if isinstance(self.prior, (int, float)):
+            self.prior = [self.prior] * self.positions
 
     def update(self, proposed: int, accepted: int) -> None:
         for j in range(min(proposed, self.positions)):
@@ -63,8 +66,15 @@ class Acceptance:
         """``a_j``: P(draft j accepted | drafts before it accepted)."""
         w = self.prior_weight
         return [
-            (a + w * self.prior) / (v + w) for v, a in zip(self.verified, self.accepted)
+            (a + w * p) / (v + w)
+            for v, a, p in zip(self.verified, self.accepted, self.prior)
         ]
+
+    def newcomer(self) -> "Acceptance":
+        """A new sequence's acceptance, starting from this one's rates: a
+        request's first rounds then draft as the drafter's recent rounds
+        (of other requests) say they pay, not from a fixed guess."""
+        return Acceptance(self.positions, self.rates(), self.prior_weight, self.decay)
 
 
 def interpolate(measured: dict, batch: int) -> RoundCosts:

@@ -110,6 +110,9 @@ class CostScheduler:
         self.needs_confidence = temperatures is not None
         self.cache_profiles = cache_profiles
         self.profiles = {}
+        # Drafts per round -> the drafter's recent acceptance by position
+        # over the generations it paced (``speculative.pacing``).
+        self.recent_acceptance = {}
 
     def profile(self, timer: RoundTimer) -> CostProfile:
         if timer.key not in self.profiles:

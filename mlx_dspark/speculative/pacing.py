@@ -10,8 +10,9 @@ at the cheapest row count at least as long as ``[anchor, drafts]``, padded
 after the drafts: attention is causal, so the real rows' logits are the same,
 and the padding's outputs are discarded and its cache entries rolled back.
 
-Lossless when sampling: a round's choice uses only earlier rounds (and the
-padding changes no logit).
+Lossless when sampling: a round's choice uses only earlier rounds, this
+generation's and the drafter's earlier generations' (and the padding changes
+no logit).
 """
 
 from ..batching.policy import Acceptance, BatchPolicy
@@ -22,7 +23,10 @@ class Pacing:
 
     def __init__(self, scheduler, timer, drafts: int):
         self.scheduler, self.timer = scheduler, timer
-        self.acceptance = Acceptance(drafts)
+        # The drafter's acceptance over its earlier generations (kept by its
+        # scheduler) is where this generation's estimate starts.
+        self.recent = scheduler.recent_acceptance.setdefault(drafts, Acceptance(drafts))
+        self.acceptance = self.recent.newcomer()
         self.policy = BatchPolicy(lambda _, depth: scheduler.costs(depth, timer))
 
     def drafts(self, cap: int, depth: int) -> int:
@@ -34,6 +38,7 @@ class Pacing:
 
     def update(self, verified: int, accepted: int) -> None:
         self.acceptance.update(verified, accepted)
+        self.recent.update(verified, accepted)
 
 
 class FixedPacing:
