@@ -88,9 +88,11 @@ class Drafter(Protocol):
         ``cache`` as it found it."""
 
     # Optional, for the speculative batch generator: ``propose_batch`` (the
-    # same for ``B`` rows, see ``DeepSpecDrafter.propose_batch``), and
-    # ``batch_cache``, the class whose ``merge`` batches the caches this
-    # drafter makes (by default ``batching.cache.BatchRollbackKVCache``).
+    # arguments of ``propose`` for ``B`` rows: ``anchors`` is ``[B]``,
+    # ``draw`` takes and returns ``B`` rows, the proposal's arrays have a
+    # leading batch axis), and ``batch_cache``, the class whose ``merge``
+    # batches the caches this drafter makes (by default
+    # ``batching.cache.BatchRollbackKVCache``).
 
 
 def check_pairing(refusal: str, problems: List[str], pairs, advice: str) -> None:

@@ -171,9 +171,8 @@ class DeepSpecDrafter:
         target=None,
         target_cache: Optional[list] = None,
     ) -> Proposal:
-        """``propose`` for ``B`` sequences at once: ``anchors`` is ``[B]``,
-        ``draw`` takes and returns ``B`` rows, and the proposal's arrays have
-        a leading batch axis. (It reads nothing of the target's.)"""
+        """``propose`` for ``B`` sequences at once (see ``Drafter``); it
+        reads nothing of the target's."""
         model = self.model
         anchors = anchors.astype(mx.uint32)
         masks = mx.broadcast_to(self._masks, (anchors.size, self._masks.size))

@@ -261,6 +261,20 @@ def view_bounds(kv_view, window, start, anchor, length, least=min, most=max):
     )
 
 
+def borrowed_kv(target, cache, full_start, full_end, sliding_start, sliding_end):
+    """What the assistant's layers attend to, by layer type: the target's
+    K/V of the full layer in ``[full_start, full_end)`` and of the sliding
+    layer in ``[sliding_start, sliding_end)`` (see ``Target.borrowed_kv``)."""
+    return {
+        "full_attention": target.borrowed_kv(
+            cache, "full_attention", full_start, full_end
+        ),
+        "sliding_attention": target.borrowed_kv(
+            cache, "sliding_attention", sliding_start, sliding_end
+        ),
+    }
+
+
 class BatchAssistantState(_BaseCache):
     """The ``AssistantState`` of each row of a speculative batch, with the
     row operations of ``batching.cache.BatchRollbackKVCache``. A commit
@@ -461,15 +475,7 @@ class AssistantDrafter:
         state.view = view_bounds(self.kv_view, window, start, state.offset, length)
 
     def _kv(self, state: AssistantState, target, target_cache: list) -> dict:
-        full_end, sliding_start, sliding_end = state.view
-        return {
-            "full_attention": target.borrowed_kv(
-                target_cache, "full_attention", 0, full_end
-            ),
-            "sliding_attention": target.borrowed_kv(
-                target_cache, "sliding_attention", sliding_start, sliding_end
-            ),
-        }
+        return borrowed_kv(target, target_cache, 0, *state.view)
 
     def _batch_kv(self, state: "BatchAssistantState", target, target_cache) -> dict:
         """``_kv`` for each row of a batch, from its own view."""
@@ -477,17 +483,8 @@ class AssistantDrafter:
         args = (self.kv_view, window, state.start, state.offset)
         drafted = view_bounds(*args, state.length, mx.minimum, mx.maximum)
         undrafted = view_bounds(*args, None, mx.minimum, mx.maximum)
-        full_end, sliding_start, sliding_end = (
-            mx.where(state.length > 0, a, b) for a, b in zip(drafted, undrafted)
-        )
-        return {
-            "full_attention": target.borrowed_kv(
-                target_cache, "full_attention", mx.zeros_like(full_end), full_end
-            ),
-            "sliding_attention": target.borrowed_kv(
-                target_cache, "sliding_attention", sliding_start, sliding_end
-            ),
-        }
+        view = [mx.where(state.length > 0, a, b) for a, b in zip(drafted, undrafted)]
+        return borrowed_kv(target, target_cache, mx.zeros_like(view[0]), *view)
 
     def propose(
         self,
@@ -515,10 +512,8 @@ class AssistantDrafter:
         target=None,
         target_cache: Optional[list] = None,
     ) -> Proposal:
-        """``propose`` for the ``B`` rows of a ``BatchAssistantState``:
-        ``anchors`` is ``[B]``, ``draw`` takes and returns ``B`` rows, and
-        the proposal's arrays have a leading batch axis. Each row attends at
-        its own position to its own view of the batch's K/V."""
+        """For the rows of a ``BatchAssistantState`` (see ``Drafter``): each
+        row attends at its own position to its own view of the batch's K/V."""
         state = cache[0]
         kv = self._batch_kv(state, target, target_cache)
         return self._draft(
