@@ -338,6 +338,9 @@ class BatchAssistantState(_BaseCache):
     def reclaimable(self) -> int:
         return 0
 
+    def compact(self) -> None:
+        """Nothing to pack: a row keeps no entries, only its seed."""
+
     def filter(self, keep: List[int]) -> None:
         index = mx.array(keep, mx.int32)
         if self.hidden is not None:
