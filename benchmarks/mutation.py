@@ -77,8 +77,8 @@ MUTANTS = [
     Mutant(
         "clean K/V view one position too many",
         "mlx_dspark/drafters/gemma4_assistant.py",
-        "state.view = (anchor, max(0, anchor - window + 1), anchor)",
-        "state.view = (anchor, max(0, anchor - window), anchor)",
+        "return anchor, most(0, anchor - window + 1), anchor",
+        "return anchor, most(0, anchor - window), anchor",
         ("tests/test_assistant.py", "-k", "clean"),
     ),
     Mutant(
@@ -322,8 +322,8 @@ MUTANTS = [
     Mutant(
         "assistant commit ignores the proposal the forward verified",
         "mlx_dspark/drafters/gemma4_assistant.py",
-        "elif proposal is None:",
-        "elif True:",
+        "length = None if proposal is None else proposal.tokens.shape[-1] + 1",
+        "length = None",
         ("tests/test_assistant.py", "-k", "every_round"),
     ),
     Mutant(
@@ -332,6 +332,28 @@ MUTANTS = [
         "visible = (positions >= start) & (positions < end)",
         "visible = (positions >= start) & (positions <= end)",
         ("tests/test_assistant.py", "-k", "every_round or clean"),
+    ),
+    # The assistant in a batch: each row its own view, position and seed.
+    Mutant(
+        "batched assistant rows read the first row's K/V view",
+        "mlx_dspark/batching/cache.py",
+        "visible = (positions >= start[:, None]) & (positions < end[:, None])",
+        "visible = (positions >= start[:1, None]) & (positions < end[:1, None])",
+        ("tests/test_batching.py", "-k", "assistant_row"),
+    ),
+    Mutant(
+        "batched assistant rows draft at the first row's RoPE position",
+        "mlx_dspark/drafters/gemma4_assistant.py",
+        "kv, anchors, state.seeds(), state.offset, num_drafts, draw, target",
+        "kv, anchors, state.seeds(), state.offset[0], num_drafts, draw, target",
+        ("tests/test_batching.py", "-k", "assistant_row"),
+    ),
+    Mutant(
+        "batched assistant seed not rolled back with its row",
+        "mlx_dspark/drafters/gemma4_assistant.py",
+        "self.last = self.last - counts",
+        "self.last = self.last",
+        ("tests/test_batching.py", "-k", "assistant_row"),
     ),
     # The rollback cache.
     # One visibility rule for both rollback caches (the batch's included).

@@ -38,6 +38,8 @@ from pit import (
     target_log_probs,
     target_probabilities,
 )
+from test_assistant import case as assistant_case
+from test_assistant import drafter_for as assistant_for
 from test_lossless import trained
 from test_sampling import (
     ALPHA,
@@ -136,20 +138,35 @@ def batches(draw):
     return requests, sizes, draw(st.integers(0, 10_000))
 
 
-def check_batch(model, drafter, requests, sizes, seed):
+def check_batch(model, drafter, requests, sizes, seed, follow_up=False):
+    """Each request's tokens are its own greedy output and its cache holds
+    exactly its tokens; with ``follow_up``, each cache then continues a
+    follow-up request (all of them in one batch) exactly."""
     generator = SpeculativeBatchGenerator(
         model, drafter, policy=RandomPolicy(seed), **sizes
     )
     tokens, finished = run(generator, [r[:3] for r in requests])
+    follow_ups = []
     for i, (_, prompt, options, stop) in enumerate(requests):
         expected = reference(model, prompt, options["max_tokens"][0], stop)
         assert tokens[i] == expected, f"request {i}"
         # The cache handed back holds exactly all_tokens: every token but
         # the last, which mlx-lm's batch generator leaves out too.
-        assert finished[i].all_tokens == prompt + expected[:-1]
+        done = finished[i]
+        assert done.all_tokens == prompt + expected[:-1]
         # The drafter's caches too, whatever rounds drafted or not.
-        for c in finished[i].prompt_cache:
+        for c in done.prompt_cache:
             assert c.offset == len(prompt) + len(expected) - 1
+        more = [expected[-1], 33 + i, 44]
+        follow_ups.append(
+            (i, more, dict(max_tokens=[12], caches=[done.prompt_cache],
+                           all_tokens=[done.all_tokens]))
+        )
+    if follow_up:
+        tokens, _ = run(generator, follow_ups)
+        for i, (_, more, options) in enumerate(follow_ups):
+            whole = options["all_tokens"][0] + more
+            assert tokens[i] == plain_greedy(model, whole, 12), f"follow-up {i}"
 
 
 @given(batches())
@@ -178,6 +195,42 @@ def test_random_models_with_tiny_windows(case, window, model_seed):
     model = tiny_gemma4(seed=model_seed, window=window)
     drafter = tiny_dspark(args, seed=model_seed + 1)
     check_batch(model, drafter, requests, sizes, seed)
+
+
+@pytest.mark.parametrize("kv_view", ["transformers", "clean"])
+@pytest.mark.parametrize("name", ["e2b", "dense"])
+@given(batches())
+def test_assistant_batches_equal_greedy(name, kv_view, case):
+    """The Gemma-4 assistant (window 8; the E2B layout with KV-shared layers
+    and the centroid head, and the dense one), either K/V view; the cache
+    each request hands back continues a follow-up exactly."""
+    requests, sizes, seed = case
+    _, model = assistant_case(name)
+    drafter = assistant_for(name, kv_view=kv_view)
+    check_batch(model, drafter, requests, sizes, seed, follow_up=True)
+
+
+@pytest.mark.parametrize("name", ["e2b", "dense"])
+def test_each_assistant_row_drafts_what_it_drafts_alone(name):
+    """With the clean view, every row of a batch (rows at different
+    positions, joining at different rounds) drafts, verifies and keeps in
+    every round exactly what the single-stream engine does for it alone:
+    each row attends at its own position to its own positions' K/V."""
+    _, model = assistant_case(name)
+    drafter = assistant_for(name, kv_view="clean")
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [20, 30], [40, 41, 42, 43, 44]]
+    stats = [SpeculativeStats(drafter.name, drafter.block_size) for _ in prompts]
+    generator = SpeculativeBatchGenerator(model, drafter, policy=FixedPolicy())
+    requests = [
+        (2 * i, p, dict(max_tokens=[30], stats=[s]))
+        for i, (p, s) in enumerate(zip(prompts, stats))
+    ]
+    tokens, _ = run(generator, requests)
+    for i, p in enumerate(prompts):
+        alone, alone_stats = speculative(model, drafter, p, 30)
+        assert tokens[i] == alone
+        assert rounds(stats[i]) == rounds(alone_stats), i
+    assert sum(s.accepted for s in stats) > 0
 
 
 @st.composite
@@ -502,15 +555,16 @@ def test_sampling_in_a_batch_has_the_targets_distribution():
 
 
 # Rows of the batch offset test: arrival step, prompt, sampler settings (None:
-# greedy), rule, logits processors, stop tokens, budget, drafts per round.
-STOPS = (395, 496, 336)  # among the commonest tokens of the rows that stop
+# greedy), rule, logits processors, whether it stops, budget, drafts per round.
+# Its stop tokens: among the commonest tokens of the rows that stop, per pair.
+STOPS = {"dspark": (395, 496, 336), "assistant": (312, 263, 60)}
 OFFSET_ROWS = [
-    (0, [65, 211, 266, 241], dict(temp=0.7), "rejection", (), (), 28, None),
-    (0, [5, 6, 7, 8, 9], dict(temp=1.0, top_k=20), "rejection", (), STOPS, 28, None),
-    (0, [10, 20, 30], dict(temp=0.7), "rejection", (last_token_bias,), (), 8, None),
-    (1, [17, 18], None, "greedy", (), (), 20, None),
-    (2, [40, 41, 42, 43], dict(temp=0.7), "match", (), (), 28, None),
-    (3, [100, 7, 300, 2, 9], dict(temp=0.8, top_p=0.9), "rejection", (), STOPS, 28, 3),
+    (0, [65, 211, 266, 241], dict(temp=0.7), "rejection", (), False, 28, None),
+    (0, [5, 6, 7, 8, 9], dict(temp=1.0, top_k=20), "rejection", (), True, 28, None),
+    (0, [10, 20, 30], dict(temp=0.7), "rejection", (last_token_bias,), False, 8, None),
+    (1, [17, 18], None, "greedy", (), False, 20, None),
+    (2, [40, 41, 42, 43], dict(temp=0.7), "match", (), False, 28, None),
+    (3, [100, 7, 300, 2, 9], dict(temp=0.8, top_p=0.9), "rejection", (), True, 28, 3),
 ]
 
 
@@ -522,8 +576,17 @@ def sampler_for(settings, rule):
     return make_sampler(**settings)
 
 
+def pair(drafter):
+    """The trained tiny Gemma-4 target and its DSpark drafter, or the dense
+    assistant fixture's target and its assistant."""
+    if drafter == "assistant":
+        return assistant_case("dense")[1], assistant_for("dense")
+    return trained("gemma4")
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "assistant"])
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "one-by-one"])
-def test_every_offset_of_a_batch_round_has_the_targets_distribution(pipeline):
+def test_every_offset_of_a_batch_round_has_the_targets_distribution(pipeline, drafter):
     """Tokens at every offset within a batch's rounds are distributed as the
     target's, for each row under its own prompt, sampler, processors, stop
     tokens and budget, with rows joining between rounds and leaving at a stop.
@@ -541,8 +604,10 @@ def test_every_offset_of_a_batch_round_has_the_targets_distribution(pipeline):
     next row's drafter distribution (``_judge``: the cut at offset 1,
     z = 6.6 pipelined, 7.0 one by one) and with its first draft's
     distribution at every position (the deciles at offset 1, p = 1e-13
-    pipelined, 3e-6 one by one)."""
-    model, drafter = trained("gemma4")
+    pipelined, 3e-6 one by one). With the DSpark drafter, and with the
+    assistant (whose rows draft at their own positions from the batch's
+    K/V)."""
+    model, drafter, stops = *pair(drafter), STOPS[drafter]
     vocab = model.args.vocab_size
     rng = np.random.default_rng(0)
     transforms, cuts, offsets, ahead, reasons = [], [], [], [], Counter()
@@ -576,7 +641,7 @@ def test_every_offset_of_a_batch_round_has_the_targets_distribution(pipeline):
                 stats=[stats[-1]],
             )
             if stop:
-                options["stop_sequences"] = [StopSequences([[t] for t in stop])]
+                options["stop_sequences"] = [StopSequences([[t] for t in stops])]
             if drafts:
                 options["num_draft_tokens"] = [drafts]
             requests.append((step, prompt, options))
@@ -587,7 +652,7 @@ def test_every_offset_of_a_batch_round_has_the_targets_distribution(pipeline):
             assert stats[i].acceptance_rule == rule
             reasons[finished[i].finish_reason] += 1
             if settings is None:
-                assert tokens[i] == reference(model, prompt, budget, stop)
+                assert tokens[i] == reference(model, prompt, budget)
                 continue
             positions = round_positions(
                 stats[i], proposals.get(id(stats[i]), []), len(tokens[i]), vocab

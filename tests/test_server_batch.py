@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_integration import DSPARK, Server, streamed_text, text_of
+from test_integration import ASSISTANT, DSPARK, Server, streamed_text, text_of
 
 
 def request(i):
@@ -45,6 +45,12 @@ def answer(server, endpoint, body):
     return text_of(response), response["usage"]
 
 
+def served(server, requests):
+    """Each request's ``answer``, all of them sent at once."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda r: answer(server, *r), requests))
+
+
 @pytest.fixture(scope="module")
 def three_servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("batch-servers")
@@ -67,8 +73,7 @@ def test_concurrent_clients_get_the_stock_servers_responses(three_servers, clien
     requests = [request(clients * 100 + i) for i in range(clients)]
     expected = [answer(stock, *r)[0] for r in requests]
     for server, policy in ((batched, "cost"), (single, "fixed")):
-        with ThreadPoolExecutor(clients) as pool:
-            got = list(pool.map(lambda r: answer(server, *r), requests))
+        got = served(server, requests)
         assert [text for text, _ in got] == expected
         for (_, body), (_, usage) in zip(requests, got):
             stats = usage["speculative"]
@@ -85,3 +90,31 @@ def test_the_batched_server_logs_each_requests_statistics(three_servers):
         list(pool.map(lambda i: answer(batched, *request(i)), range(4)))
     log = batched.log.read_text()
     assert log.count("Speculative decoding: dspark (greedy):") >= 4
+
+
+@pytest.fixture(scope="module")
+def assistant_servers(tmp_path_factory):
+    """The assistant fixture's target served with its assistant, and stock."""
+    tmp = tmp_path_factory.mktemp("assistant-servers")
+    target = ASSISTANT / "target"
+    servers = (
+        Server(tmp, "--draft-model", ASSISTANT / "assistant", model=target),
+        Server(tmp, model=target),
+    )
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def test_the_assistant_is_served_in_batches(assistant_servers):
+    """With the Gemma-4 assistant the server batches concurrent requests
+    (the batch policy drafts for them), and every response equals the
+    stock server's."""
+    batched, stock = assistant_servers
+    requests = [request(900 + i) for i in range(8)]
+    expected = [answer(stock, *r)[0] for r in requests]
+    got = served(batched, requests)
+    assert [text for text, _ in got] == expected
+    for _, usage in got:
+        assert usage["speculative"]["drafter"] == "assistant"
+        assert usage["speculative"]["scheduler"] == "cost"

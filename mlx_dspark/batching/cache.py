@@ -145,6 +145,14 @@ class BatchRollbackKVCache(_BaseCache):
         queries = self._new_positions(N)[:, None, :, None]
         return visible(keys, queries, self.window)
 
+    def view(self, start: mx.array, end: mx.array):
+        """Each row's entries at positions ``[start[b], end[b])``: the keys
+        and values of every slot and the mask (``[B, 1, 1, slots]``) of
+        those entries, for a drafter that borrows them (one query a row)."""
+        positions = self.positions[:, : self._idx]
+        visible = (positions >= start[:, None]) & (positions < end[:, None])
+        return self.keys[:, :, : self._idx], self.values[:, :, : self._idx], visible[:, None, None]
+
     def block_mask(self, N: int) -> mx.array:
         """For a drafter's block that sees every live slot and itself."""
         return (self._positions_after(N) >= 0)[:, None, None, :]

@@ -148,7 +148,8 @@ class SpeculativeBatchGenerator:
 
     Args:
         model: The target, as ``mlx_lm.load`` returns it.
-        drafter: A drafter that can propose for a batch (``propose_batch``).
+        drafter: A drafter that can propose for a batch (``propose_batch``,
+            see ``drafters.base.Drafter``).
         num_draft_tokens: Drafts per round at most, by default the drafter's
             block size; ``insert`` can set it per sequence.
         policy: Chooses each round's drafts (``batching.policy``): by
@@ -439,14 +440,20 @@ class SpeculativeBatchGenerator:
             BatchRollbackKVCache.merge([c[i] for c in singles], w, self._max_rollback)
             for i, w in enumerate(self._windows)
         ]
+        batch_cache = getattr(self.drafter, "batch_cache", BatchRollbackKVCache)
         draft = [
-            BatchRollbackKVCache.merge([c[split + i] for c in singles], None, self._max_rollback)
+            batch_cache.merge([c[split + i] for c in singles], None, self._max_rollback)
             for i in range(self._num_draft_caches)
         ]
         return Rows(sequences, target, draft)
 
     def _forward(self, rows: Rows, inputs: mx.array):
         return self.target(inputs, rows.target_cache, self.drafter.taps)
+
+    def _propose(self, rows: Rows, anchors: mx.array, k: int, draw=None):
+        return self.drafter.propose_batch(
+            rows.draft_cache, anchors, k, draw, self.target, rows.target_cache
+        )
 
     def _prefill_chunk(self):
         """One chunk of every prefilling sequence's current segment."""
@@ -566,8 +573,8 @@ class SpeculativeBatchGenerator:
 
     def _time_draft(self):
         self._commit_parked()
-        proposal = self.drafter.propose_batch(
-            self._generation.draft_cache, self._anchors(), self.drafter.max_draft_tokens
+        proposal = self._propose(
+            self._generation, self._anchors(), self.drafter.max_draft_tokens
         )
         return proposal.tokens, proposal.confidence
 
@@ -626,7 +633,7 @@ class SpeculativeBatchGenerator:
             self._commit_parked()
             draws = [s.decoding.draw_for(c) for s, c in zip(sequences, contexts)]
             draw = None if all(d is None for d in draws) else _batch_draw(draws)
-            proposal = self.drafter.propose_batch(rows.draft_cache, anchors, k, draw)
+            proposal = self._propose(rows, anchors, k, draw)
             # Let the device draft while the host builds the verify.
             mx.async_eval(proposal.tokens)
             inputs = mx.concatenate([anchors[:, None], proposal.tokens], axis=1)
@@ -642,7 +649,7 @@ class SpeculativeBatchGenerator:
             rejected = k - accepted
             for c in rows.target_cache:
                 c.rollback(rejected)
-            self.drafter.commit(rows.draft_cache, out.hidden)
+            self.drafter.commit(rows.draft_cache, out.hidden, proposal)
             for c in rows.draft_cache:
                 c.rollback(rejected)
         else:

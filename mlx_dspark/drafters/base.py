@@ -1,5 +1,6 @@
 """What the engine needs from a drafter."""
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Protocol, Sequence
 
@@ -25,6 +26,15 @@ class Proposal:
     logits: Optional[mx.array] = None
     log_probs: Optional[mx.array] = None
     confidence: Optional[mx.array] = None
+
+    def row(self, b: int) -> "Proposal":
+        """Row ``b`` of a batch's proposal (arrays with a leading batch axis)."""
+        return Proposal(
+            *(
+                None if (x := getattr(self, f.name)) is None else x[b]
+                for f in dataclasses.fields(self)
+            )
+        )
 
 
 class Drafter(Protocol):
@@ -76,6 +86,13 @@ class Drafter(Protocol):
         ``target_cache`` are there to read through ``target``'s methods,
         never to write (a drafter that borrows the target's K/V). Must leave
         ``cache`` as it found it."""
+
+    # Optional, for the speculative batch generator: ``propose_batch`` (the
+    # arguments of ``propose`` for ``B`` rows: ``anchors`` is ``[B]``,
+    # ``draw`` takes and returns ``B`` rows, the proposal's arrays have a
+    # leading batch axis), and ``batch_cache``, the class whose ``merge``
+    # batches the caches this drafter makes (by default
+    # ``batching.cache.BatchRollbackKVCache``).
 
 
 def check_pairing(refusal: str, problems: List[str], pairs, advice: str) -> None:

@@ -9,7 +9,6 @@ context is every committed position's target taps, concatenated in
 ``target_layer_ids`` order.
 """
 
-import dataclasses
 from functools import partial
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -161,13 +160,7 @@ class DeepSpecDrafter:
         target=None,
         target_cache: Optional[list] = None,
     ) -> Proposal:
-        batch = self.propose_batch(cache, anchor.reshape(1), num_drafts, draw)
-        return Proposal(
-            *(
-                None if (x := getattr(batch, f.name)) is None else x[0]
-                for f in dataclasses.fields(batch)
-            )
-        )
+        return self.propose_batch(cache, anchor.reshape(1), num_drafts, draw).row(0)
 
     def propose_batch(
         self,
@@ -175,10 +168,11 @@ class DeepSpecDrafter:
         anchors: mx.array,
         num_drafts: int,
         draw: Optional[Callable] = None,
+        target=None,
+        target_cache: Optional[list] = None,
     ) -> Proposal:
-        """``propose`` for ``B`` sequences at once: ``anchors`` is ``[B]``,
-        ``draw`` takes and returns ``B`` rows, and the proposal's arrays have
-        a leading batch axis."""
+        """``propose`` for ``B`` sequences at once (see ``Drafter``); it
+        reads nothing of the target's."""
         model = self.model
         anchors = anchors.astype(mx.uint32)
         masks = mx.broadcast_to(self._masks, (anchors.size, self._masks.size))

@@ -14,7 +14,7 @@ its state is the seed hidden and which K/V entries it may look at.
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -141,15 +141,15 @@ class MaskedEmbedder(nn.Module):
         self.token_ordering = mx.zeros((args.text.vocab_size,), mx.int32)
 
     def __call__(self, z: mx.array, embed_tokens: nn.Embedding) -> mx.array:
-        scores = self.centroids(z).reshape(-1)
-        top = mx.argpartition(-scores, self.top_k - 1)[: self.top_k]
-        ids = self.token_ordering.reshape(self.num_centroids, -1)[top].reshape(-1)
-        selected = embed_tokens(ids) @ z.reshape(-1)
-        logits = mx.full(
-            (self.token_ordering.size,), selected.min() - 1, selected.dtype
-        )
-        logits[ids] = selected
-        return logits[None]
+        """``[B, 1, hidden]`` -> ``[B, V]``."""
+        B = z.shape[0]
+        scores = self.centroids(z)[:, 0]
+        top = mx.argpartition(-scores, self.top_k - 1, axis=-1)[:, : self.top_k]
+        ids = self.token_ordering.reshape(self.num_centroids, -1)[top].reshape(B, -1)
+        selected = (embed_tokens(ids) @ z.swapaxes(1, 2))[..., 0]
+        lowest = selected.min(axis=-1, keepdims=True) - 1
+        logits = mx.broadcast_to(lowest, (B, self.token_ordering.size))
+        return mx.put_along_axis(logits, ids, selected, axis=-1)
 
 
 class Model(nn.Module):
@@ -165,9 +165,10 @@ class Model(nn.Module):
         if args.use_ordered_embeddings:
             self.masked_embedding = MaskedEmbedder(args)
 
-    def __call__(self, inputs_embeds: mx.array, kv: dict, position: int):
-        """One draft step: ``[1, 1, 2 * backbone]`` inputs -> (logits ``[1, V]``,
-        the next step's hidden ``[1, 1, backbone]``)."""
+    def __call__(self, inputs_embeds: mx.array, kv: dict, position):
+        """One draft step: ``[B, 1, 2 * backbone]`` inputs -> (logits ``[B, V]``,
+        the next step's hidden ``[B, 1, backbone]``); ``position`` is an int or
+        each row's (``[B]``)."""
         x = self.pre_projection(inputs_embeds)
         for layer, layer_type in zip(self.model.layers, self.args.text.layer_types):
             x = layer(x, kv[layer_type], position)
@@ -175,7 +176,7 @@ class Model(nn.Module):
         if self.args.use_ordered_embeddings:
             logits = self.masked_embedding(z, self.model.embed_tokens)
         else:
-            logits = self.model.embed_tokens.as_linear(z)[0]
+            logits = self.model.embed_tokens.as_linear(z)[:, 0]
         return logits, self.post_projection(z)
 
     def sanitize(self, weights: dict) -> dict:
@@ -235,6 +236,155 @@ def full_kv_heads(args) -> int:
     return args.num_key_value_heads
 
 
+def view_bounds(kv_view, window, start, anchor, length, least=min, most=max):
+    """Which of the target's K/V entries a round at ``anchor`` reads, as
+    ``(full_end, sliding_start, sliding_end)``, after a forward from
+    ``start`` that verified ``length`` positions (``None``: no drafts).
+    Python ints, or with ``mx.minimum``/``mx.maximum`` arrays of rows."""
+    if kv_view == "clean":
+        return anchor, most(0, anchor - window + 1), anchor
+    if length is None:
+        # After the prompt, transformers' sliding donor returned every
+        # prompt entry: the view is the last W + 1 of them.
+        return anchor, most(0, anchor - window - 1), anchor
+    # transformers slices the previous forward's returned K/V by index to P
+    # entries: the sliding donor returned its cached entries (at most W - 1)
+    # followed by the forward's own (the anchor and the drafts, from
+    # ``start``).
+    cached = least(start, window - 1)
+    kept = least(cached + length, anchor + 1)
+    sliding_end = start - cached + kept
+    return (
+        least(anchor + 1, start + length),
+        most(start - cached, sliding_end - window - 1),
+        sliding_end,
+    )
+
+
+def borrowed_kv(target, cache, full_start, full_end, sliding_start, sliding_end):
+    """What the assistant's layers attend to, by layer type: the target's
+    K/V of the full layer in ``[full_start, full_end)`` and of the sliding
+    layer in ``[sliding_start, sliding_end)`` (see ``Target.borrowed_kv``)."""
+    return {
+        "full_attention": target.borrowed_kv(
+            cache, "full_attention", full_start, full_end
+        ),
+        "sliding_attention": target.borrowed_kv(
+            cache, "sliding_attention", sliding_start, sliding_end
+        ),
+    }
+
+
+class BatchAssistantState(_BaseCache):
+    """The ``AssistantState`` of each row of a speculative batch, with the
+    row operations of ``batching.cache.BatchRollbackKVCache``. A commit
+    keeps the taps of every position it took in; a rollback (on the device)
+    moves each row's offset and seed back, and the view follows from them
+    when the next round drafts. The batch's caches forget rolled-back
+    entries, so a row's transformers view lacks the stale ones a single
+    stream would show (the drafts may differ, never the output)."""
+
+    def __init__(self):
+        self.offset = None  # [B] int32
+        self.lengths: List[int] = []  # the same on the host
+        self.hidden = None  # [B, L, backbone]: the last commit's taps
+        self.last = None  # [B] int32: each row's seed in ``hidden``
+        self.start = None  # [B] int32: each row's offset before the last commit
+        self.length = None  # [B] int32: what that forward verified, 0: no drafts
+
+    @classmethod
+    def merge(cls, states: Sequence[AssistantState], window=None, max_rollback=None):
+        """A batch of single-sequence states (``window`` and ``max_rollback``
+        as ``BatchRollbackKVCache.merge`` takes them, unused). Only their
+        offsets count: every row's prompt is committed before it drafts."""
+        batch = cls()
+        batch.lengths = [s.offset for s in states]
+        batch.offset = batch.start = mx.array(batch.lengths, mx.int32)
+        batch.length = batch.last = mx.zeros(len(states), mx.int32)
+        return batch
+
+    def commit(self, hidden: mx.array, length: Optional[int]) -> None:
+        B, L, _ = hidden.shape
+        self.hidden = hidden
+        self.last = mx.full((B,), L - 1, mx.int32)
+        self.start = self.offset
+        self.offset = self.offset + L
+        self.lengths = [n + L for n in self.lengths]
+        self.length = mx.full((B,), length or 0, mx.int32)
+
+    def seeds(self) -> mx.array:
+        """``[B, 1, backbone]``: each row's seed hidden state."""
+        return mx.take_along_axis(self.hidden, self.last[:, None, None], axis=1)
+
+    def extract(self, idx: int, end: Optional[int] = None) -> AssistantState:
+        """Row ``idx`` as the single-sequence state of its first ``end``
+        positions (by default all it holds). Like a trimmed state it has no
+        seed or view: the commit that starts every generation sets them."""
+        state = AssistantState()
+        state.offset = self.lengths[idx] if end is None else end
+        return state
+
+    def rollback(self, counts: mx.array) -> None:
+        self.offset = self.offset - counts
+        self.last = self.last - counts
+
+    def settle(self, counts: Sequence[int], reuse: bool) -> None:
+        self.lengths = [n - c for n, c in zip(self.lengths, counts)]
+
+    def trim_rows(self, counts: Sequence[int]) -> None:
+        self.rollback(mx.array(counts, mx.int32))
+        self.settle(counts, reuse=True)
+
+    def reclaimable(self) -> int:
+        return 0
+
+    def compact(self) -> None:
+        """Nothing to pack: a row keeps no entries, only its seed."""
+
+    def filter(self, keep: List[int]) -> None:
+        index = mx.array(keep, mx.int32)
+        if self.hidden is not None:
+            self.hidden = self.seeds()[index]
+        self.last = mx.zeros(len(keep), mx.int32)
+        self.offset, self.start, self.length = (
+            x[index] for x in (self.offset, self.start, self.length)
+        )
+        self.lengths = [self.lengths[i] for i in keep]
+
+    def select(self, rows: List[int]) -> "BatchAssistantState":
+        taken = BatchAssistantState()
+        taken.__dict__.update(self.__dict__)
+        taken.filter(rows)
+        return taken
+
+    def extend(self, other: "BatchAssistantState") -> None:
+        like = self.hidden if self.hidden is not None else other.hidden
+        if like is not None:
+            self.hidden = mx.concatenate([s._seeds_like(like) for s in (self, other)])
+        self.last = mx.zeros(len(self.lengths) + len(other.lengths), mx.int32)
+        self.offset, self.start, self.length = (
+            mx.concatenate([a, b])
+            for a, b in zip(
+                (self.offset, self.start, self.length),
+                (other.offset, other.start, other.length),
+            )
+        )
+        self.lengths = self.lengths + other.lengths
+
+    def _seeds_like(self, like: mx.array) -> mx.array:
+        if self.hidden is None:
+            return mx.zeros((len(self.lengths), 1, like.shape[-1]), like.dtype)
+        return self.seeds()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.hidden is None else self.hidden.nbytes
+
+    @property
+    def state(self):
+        return self.hidden, self.last, self.offset, self.start, self.length
+
+
 class AssistantDrafter:
     """A loaded Gemma-4 assistant (see ``mlx_dspark.drafters.base.Drafter``).
 
@@ -250,6 +400,7 @@ class AssistantDrafter:
 
     name = "assistant"
     taps = (FINAL,)
+    batch_cache = BatchAssistantState
     max_draft_tokens = MAX_DRAFT_TOKENS
 
     def __init__(self, model: Model, path: Path, block_size: int, kv_view: str):
@@ -315,42 +466,28 @@ class AssistantDrafter:
         self, cache: list, hidden: List[mx.array], proposal: Optional[Proposal] = None
     ) -> None:
         state = cache[0]
+        # The positions the forward verified (``None``: it verified no drafts).
+        length = None if proposal is None else proposal.tokens.shape[-1] + 1
+        if isinstance(state, BatchAssistantState):
+            state.commit(hidden[0], length)
+            return
         start = state.offset
         state.seed = hidden[0][:, -1:]
         state.offset += hidden[0].shape[1]
-        anchor = state.offset  # the next anchor's position: P - 1 in transformers
         window = self.model.args.text.sliding_window
-        if self.kv_view == "clean":
-            state.view = (anchor, max(0, anchor - window + 1), anchor)
-        elif proposal is None:
-            # After the prompt, transformers' sliding donor returned every
-            # prompt entry: the view is the last W + 1 of them.
-            state.view = (anchor, max(0, anchor - window - 1), anchor)
-        else:
-            # transformers slices the previous forward's returned K/V by
-            # index to P entries: the sliding donor returned its cached
-            # entries (at most W - 1) followed by the forward's own (the
-            # anchor and the drafts, from ``start``).
-            length = proposal.tokens.size + 1
-            cached = min(start, window - 1)
-            kept = min(cached + length, anchor + 1)
-            sliding_end = start - cached + kept
-            state.view = (
-                min(anchor + 1, start + length),
-                max(start - cached, sliding_end - window - 1),
-                sliding_end,
-            )
+        state.view = view_bounds(self.kv_view, window, start, state.offset, length)
 
     def _kv(self, state: AssistantState, target, target_cache: list) -> dict:
-        full_end, sliding_start, sliding_end = state.view
-        return {
-            "full_attention": target.borrowed_kv(
-                target_cache, "full_attention", 0, full_end
-            ),
-            "sliding_attention": target.borrowed_kv(
-                target_cache, "sliding_attention", sliding_start, sliding_end
-            ),
-        }
+        return borrowed_kv(target, target_cache, 0, *state.view)
+
+    def _batch_kv(self, state: "BatchAssistantState", target, target_cache) -> dict:
+        """``_kv`` for each row of a batch, from its own view."""
+        window = self.model.args.text.sliding_window
+        args = (self.kv_view, window, state.start, state.offset)
+        drafted = view_bounds(*args, state.length, mx.minimum, mx.maximum)
+        undrafted = view_bounds(*args, None, mx.minimum, mx.maximum)
+        view = [mx.where(state.length > 0, a, b) for a, b in zip(drafted, undrafted)]
+        return borrowed_kv(target, target_cache, mx.zeros_like(view[0]), *view)
 
     def propose(
         self,
@@ -365,8 +502,31 @@ class AssistantDrafter:
         if state.seed is None or target is None or target_cache is None:
             raise ValueError("The assistant has no target state to draft from.")
         kv = self._kv(state, target, target_cache)
-        position = state.offset
-        token, hidden = anchor.reshape(1, 1).astype(mx.uint32), state.seed
+        return self._draft(
+            kv, anchor, state.seed, state.offset, num_drafts, draw, target
+        ).row(0)
+
+    def propose_batch(
+        self,
+        cache: list,
+        anchors: mx.array,
+        num_drafts: int,
+        draw: Optional[Callable] = None,
+        target=None,
+        target_cache: Optional[list] = None,
+    ) -> Proposal:
+        """For the rows of a ``BatchAssistantState`` (see ``Drafter``): each
+        row attends at its own position to its own view of the batch's K/V."""
+        state = cache[0]
+        kv = self._batch_kv(state, target, target_cache)
+        return self._draft(
+            kv, anchors, state.seeds(), state.offset, num_drafts, draw, target
+        )
+
+    def _draft(self, kv, anchors, seeds, position, num_drafts, draw, target):
+        """``num_drafts`` sequential steps for ``B`` rows (``seeds``
+        ``[B, 1, backbone]``); the proposal has a leading batch axis."""
+        token, hidden = anchors.reshape(-1, 1).astype(mx.uint32), seeds
         tokens, logits, log_probs = [], [], []
         for _ in range(num_drafts):
             inputs = mx.concatenate([target.embed(token), hidden], axis=-1)
@@ -375,14 +535,14 @@ class AssistantDrafter:
                 token, step_log_probs = mx.argmax(step, axis=-1), None
             else:
                 token, step_log_probs = draw(step)
-            token = token.reshape(1, 1).astype(mx.uint32)
-            tokens.append(token.reshape(1))
+            token = token.reshape(-1, 1).astype(mx.uint32)
+            tokens.append(token[:, 0])
             logits.append(step)
             log_probs.append(step_log_probs)
         return Proposal(
-            tokens=mx.concatenate(tokens),
-            logits=mx.concatenate(logits),
-            log_probs=None if log_probs[0] is None else mx.concatenate(log_probs),
+            tokens=mx.stack(tokens, axis=1),
+            logits=mx.stack(logits, axis=1),
+            log_probs=None if log_probs[0] is None else mx.stack(log_probs, axis=1),
         )
 
 

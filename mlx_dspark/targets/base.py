@@ -70,4 +70,9 @@ class Target(Protocol):
         ``[1, heads, S, head_dim]`` as attention takes them and ``mask``
         (``[1, S]``) the entries that are those positions, or ``None`` when
         all ``S`` are. Entries past the cache's offset that a rolled-back
-        forward left count as written until they are overwritten."""
+        forward left count as written until they are overwritten.
+
+        With a speculative batch's caches (``BatchRollbackKVCache``),
+        ``start`` and ``end`` are each row's (``[B]``), and the keys and
+        values are every row's with a ``[B, 1, 1, S]`` mask; rolled-back
+        entries are gone."""

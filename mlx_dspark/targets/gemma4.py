@@ -8,6 +8,7 @@ import mlx.core as mx
 from mlx_lm.models import gemma4, gemma4_text
 from mlx_lm.models.cache import KVCache
 
+from ..batching.cache import BatchRollbackKVCache
 from ..cache import SlidingWindowKVCache
 from ..plugins import TargetAdapter, hookimpl
 from .base import EMBEDDING, FINAL, TargetOutput
@@ -51,6 +52,8 @@ class Gemma4Target:
 
     def borrowed_kv(self, cache: list, layer_type: str, start: int, end: int):
         donor = cache[self.kv_donors()[layer_type]]
+        if isinstance(donor, BatchRollbackKVCache):
+            return donor.view(start, end)
         if layer_type == "full_attention":  # a KVCache: position p at index p
             return donor.keys[..., start:end, :], donor.values[..., start:end, :], None
         if not isinstance(donor, SlidingWindowKVCache):
