@@ -42,14 +42,17 @@ def prompts(n, length, vocab, wave):
     ]
 
 
-def run(make, prompts_, max_tokens, stats=None):
-    """Decode tokens/s of one generator over ``prompts_``."""
+def run(make, prompts_, max_tokens, stats=None, like_server=False):
+    """Decode tokens/s of one generator over ``prompts_``; ``like_server``:
+    each response's log-probability of its token is read on the host, as
+    ``mlx_lm.server`` does for every token it streams."""
     generator = make()
     kwargs = {"stats": stats} if stats is not None else {}
     generator.insert(prompts_, max_tokens=[max_tokens] * len(prompts_), **kwargs)
     with generator.stats() as measured:
-        while generator.next_generated():
-            pass
+        while responses := generator.next_generated():
+            for r in responses if like_server else ():
+                r.logprobs[r.token].item()
     return measured.generation_tokens / measured.decode_time
 
 
@@ -62,6 +65,10 @@ def main():
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--like-server", action="store_true",
+        help="read each token's log-probability on the host, as mlx_lm.server does",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -94,11 +101,11 @@ def main():
             batch = prompts(n, args.context, vocab, r)
             for name in order if r % 2 else order[::-1]:
                 if name == "plain":
-                    speed = run(generators[name], batch, args.max_tokens)
+                    speed = run(generators[name], batch, args.max_tokens, like_server=args.like_server)
                 else:
                     per_row = [SpeculativeStats(drafter.name, drafter.block_size) for _ in batch]
                     with replayed_acceptance(args.tau, drafter.block_size, seed=r) if replay else contextlib.nullcontext():
-                        speed = run(generators[name], batch, args.max_tokens, per_row)
+                        speed = run(generators[name], batch, args.max_tokens, per_row, args.like_server)
                     if r:
                         stats[name] += per_row
                 if r:  # the first pass warms up
