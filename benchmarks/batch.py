@@ -21,6 +21,7 @@ import json
 import statistics
 from pathlib import Path
 
+import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
@@ -67,8 +68,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--like-server", action="store_true",
-        help="read each token's log-probability on the host, as mlx_lm.server does",
+        help="as mlx_lm.server drives a batch generator: on the thread's default stream, "
+        "each token's log-probability read on the host",
     )
+    parser.add_argument("--serial", action="store_true", help="also both policies with rounds not pipelined")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -83,15 +86,27 @@ def main():
         drafter = mlx_dspark.load_drafter(TINY / "dspark_tiny_gemma4_block4")
         vocab = model.args.vocab_size
 
+    # mlx_lm.server runs its batch generator on the thread's default stream,
+    # where its reads of each token's log-probability run too.
+    stream = {"stream": mx.default_stream(mx.default_device())} if args.like_server else {}
     generators = {
-        "plain": lambda: BatchGenerator(model, completion_batch_size=64),
+        "plain": lambda: BatchGenerator(model, completion_batch_size=64, **stream),
         "spec-cost": lambda: SpeculativeBatchGenerator(
-            model, drafter, completion_batch_size=64, policy=BatchPolicy()
+            model, drafter, completion_batch_size=64, policy=BatchPolicy(), **stream
         ),
         "spec-fixed": lambda: SpeculativeBatchGenerator(
-            model, drafter, completion_batch_size=64, policy=FixedPolicy()
+            model, drafter, completion_batch_size=64, policy=FixedPolicy(), **stream
         ),
     }
+    if args.serial:
+        generators["spec-cost-serial"] = lambda: SpeculativeBatchGenerator(
+            model, drafter, completion_batch_size=64, policy=BatchPolicy(), pipeline=False,
+            **stream,
+        )
+        generators["spec-fixed-serial"] = lambda: SpeculativeBatchGenerator(
+            model, drafter, completion_batch_size=64, policy=FixedPolicy(), pipeline=False,
+            **stream,
+        )
     results = []
     for n in args.batch:
         speeds = {name: [] for name in generators}

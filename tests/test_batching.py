@@ -26,6 +26,7 @@ from mlx_dspark.batching.policy import (
 )
 from mlx_dspark.cache import SlidingWindowKVCache
 from mlx_dspark.confidence.costs import RoundCosts, RoundTimer
+from mlx_dspark.integration.batch import ServerBatchGenerator
 from mlx_dspark.speculative.sampling import make_sampler, mlx_lm_make_sampler
 from mlx_dspark.speculative.stats import SpeculativeStats
 
@@ -370,6 +371,26 @@ def test_pipelined_rounds_record_what_rounds_read_one_by_one_record():
         assert pipeline or not any(ahead)
     assert results[0] == results[1]
     assert results[1][0][0] == plain_greedy(model, prompts[0], 40)
+
+
+def test_the_servers_generator_returns_tokens_with_no_round_in_flight():
+    """``mlx_lm.server`` reads every token's log-probability on the
+    generator's stream, where a round launched ahead would make each read
+    wait for it: the server's generator returns every round's tokens before
+    it launches the next, and they are the single stream's."""
+    model, drafter = trained("gemma4")
+    generator = ServerBatchGenerator(model, drafter, policy=FixedPolicy())
+    prompts = [[5, 6, 7, 8, 9], [10, 20, 30]]
+    uids = generator.insert(prompts, max_tokens=[30, 30])
+    tokens, finished = {uid: [] for uid in uids}, set()
+    while len(finished) < len(uids):
+        _, responses = generator.next()
+        assert generator._in_flight is None
+        for r in responses:
+            tokens[r.uid].append(r.token)
+            if r.finish_reason:
+                finished.add(r.uid)
+    assert [tokens[uid] for uid in uids] == [plain_greedy(model, p, 30) for p in prompts]
 
 
 def test_a_disconnect_leaves_the_others_untouched():
