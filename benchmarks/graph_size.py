@@ -1,0 +1,122 @@
+"""Operations a decoding round puts in MLX's graph, against mlx-lm's own step.
+
+On a device where the host's launching of kernels bounds a round (MLX-CUDA,
+see BENCHMARKS.md), the host encodes every primitive of the graph it
+evaluates. This counts them, which does not depend on the machine: mlx-lm's
+``BatchGenerator`` decode step, the target's forward through the speculative
+batch's caches (1 and ``k + 1`` rows a sequence) and through mlx-lm's, and a
+whole speculative round (the drafter's call, then the verify, verdict,
+rollback and commit). Views (reshapes, broadcasts, slices) are counted too;
+on the device most of them launch nothing.
+
+Gemma-4-12B's layer structure (48 layers, five sliding to one full) and the
+released DSpark drafter's (5 layers, block 7) at widths divided by
+``--scale``: widths do not change the graph.
+"""
+
+import argparse
+import json
+import re
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from mlx_dspark.batching.generator import SpeculativeBatchGenerator
+from mlx_dspark.batching.policy import FixedPolicy
+from mlx_dspark.drafters import gemma4_dspark
+from mlx_dspark.drafters.deepspec import DeepSpecDrafter
+from mlx_dspark.drafters.deepspec_model import Model
+
+import shapes
+from batch import prompts
+from speculative import replayed_acceptance
+
+
+def primitives(*arrays) -> Counter:
+    """The primitives that evaluating ``arrays`` would run, by name."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "graph.dot"
+        mx.export_to_dot(str(path), *arrays)
+        return Counter(re.findall(r'label ="([^"]+)"', path.read_text()))
+
+
+def launched(generator) -> list:
+    """The primitives of each ``mx.async_eval`` one ``next()`` makes."""
+    graphs, original = [], mx.async_eval
+
+    def recording(*args):
+        graphs.append(primitives(*args))
+        return original(*args)
+
+    mx.async_eval = recording
+    try:
+        generator.next()
+    finally:
+        mx.async_eval = original
+    return graphs
+
+
+def models(scale: int):
+    config = shapes.target_config(scale)
+    config.update(
+        num_hidden_layers=48,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8,
+    )
+    target = shapes.make_target_from(config, dtype=mx.float32)
+    network = Model(gemma4_dspark.ModelArgs.from_dict(shapes.drafter_config(config, "dspark", scale)))
+    network.set_dtype(mx.float32)
+    mx.eval(network.parameters())
+    return target, DeepSpecDrafter(network, "gemma4", Path("<random dspark>")), config["vocab_size"]
+
+
+def cache_arrays(caches) -> list:
+    return [x for c in caches for x in c.state if isinstance(x, mx.array)]
+
+
+def count(target, drafter, vocab, batch, drafts):
+    row = {"batch": batch}
+    batch_prompts = prompts(batch, 64, vocab, 0)
+    plain = BatchGenerator(target, completion_batch_size=64)
+    plain.insert(batch_prompts, max_tokens=[100] * batch)
+    for _ in range(4):
+        plain.next()
+    row["plain_step"] = sum(sum(g.values()) for g in launched(plain))
+    stock_cache = plain._generation_batch.prompt_cache
+    logits = target(mx.array([[5]] * batch), cache=stock_cache)
+    row["stock_forward_1"] = sum(primitives(logits, *cache_arrays(stock_cache)).values())
+
+    spec = SpeculativeBatchGenerator(
+        target, drafter, completion_batch_size=64, policy=FixedPolicy(),
+        num_draft_tokens=drafts, pipeline=False,
+    )
+    spec.insert(batch_prompts, max_tokens=[1000] * batch)
+    with replayed_acceptance(3.3, drafter.block_size):
+        for _ in range(4):
+            spec.next()
+        draft, rest = launched(spec)
+    row["round_draft"] = sum(draft.values())
+    row["round_rest"] = sum(rest.values())
+    row["round"] = row["round_draft"] + row["round_rest"]
+    rows, anchors = spec._generation, spec._anchors()
+    for n in (1, drafts + 1):
+        out = spec._forward(rows, mx.repeat(anchors[:, None], n, axis=1))
+        graph = primitives(out.logits, *cache_arrays(rows.target_cache))
+        row[f"our_forward_{n}"] = sum(graph.values())
+        mx.eval(out.logits, cache_arrays(rows.target_cache))
+        for c in rows.target_cache:
+            c.trim(n)
+    return row
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", type=int, default=16)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--drafts", type=int, default=7)
+    args = parser.parse_args()
+    target, drafter, vocab = models(args.scale)
+    for b in args.batch:
+        print(json.dumps(count(target, drafter, vocab, b, args.drafts)), flush=True)
