@@ -160,7 +160,9 @@ class SpeculativeBatchGenerator:
             padding) before the caches are packed.
         pipeline: Build each round while the one before it runs on the
             device, when the batch allows it (``_can_overlap``), as mlx-lm's
-            ``BatchGenerator`` builds its next step.
+            ``BatchGenerator`` builds its next step. Off for a caller that
+            reads each response's ``logprobs`` on ``stream`` as it comes
+            (``mlx_lm.server``): each read would wait for the round ahead.
         The rest are ``BatchGenerator``'s.
     """
 
