@@ -6,7 +6,11 @@ Two cases per ``--arrivals`` count N:
 
 - ``idle``: N prompts inserted at once into an idle generator;
 - ``joining``: the same N prompts inserted into a generator already decoding
-  ``--running`` sequences.
+  ``--running`` sequences;
+- ``cached``: as ``mlx_lm.server`` serves a request after another: an
+  earlier request sharing the first ``--shared`` tokens runs to its end and
+  leaves its cache in an ``LRUPromptCache``; each new prompt takes the
+  nearest cache from it (``fetch``, timed) and is inserted with it.
 
 Reported per generator: the first and second token's latency after the
 insert (p50 and max over the N requests and ``--repeats`` runs), how many
@@ -29,6 +33,7 @@ from collections import defaultdict
 
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import LRUPromptCache
 
 import mlx_dspark
 from mlx_dspark.batching.generator import SpeculativeBatchGenerator
@@ -72,9 +77,38 @@ def drive_until_generating(generator, uids):
         waiting -= {r.uid for r in responses}
 
 
-def first_tokens(generator, kind, new, running, max_tokens):
+def cached_insert(generator, earlier, new, max_tokens, earlier_tokens=128):
+    """Run ``earlier`` to its end and keep its cache as the server does;
+    returns ``insert(new)`` with each prompt's nearest cache, which counts as
+    ``fetch``."""
+    lru = LRUPromptCache()
+    (uid,) = generator.insert([earlier], max_tokens=[earlier_tokens])
+    done = False
+    while not done:
+        _, responses = generator.next()
+        for r in responses:
+            if r.uid == uid and r.finish_reason is not None:
+                lru.insert_cache("model", r.all_tokens[:], r.prompt_cache)
+                done = True
+
+    def insert():
+        fetched = [lru.fetch_nearest_cache("model", p) for p in new]
+        return generator.insert(
+            [rest for _, rest in fetched],
+            max_tokens=[max_tokens] * len(new),
+            caches=[cache for cache, _ in fetched],
+            all_tokens=[p[: len(p) - len(rest)] for p, (_, rest) in zip(new, fetched)],
+        )
+
+    return insert
+
+
+def first_tokens(generator, kind, new, running, max_tokens, earlier=None):
     """``(latencies of the first and second token per request, next() calls
     until every first token, seconds per phase)``."""
+    insert = lambda: generator.insert(new, max_tokens=[max_tokens] * len(new))
+    if earlier is not None:
+        insert = cached_insert(generator, earlier, new, max_tokens)
     if running:
         drive_until_generating(generator, generator.insert(running, max_tokens=[10**6] * len(running)))
         for _ in range(3):  # a few rounds of the running batch
@@ -84,7 +118,8 @@ def first_tokens(generator, kind, new, running, max_tokens):
     calls = 0
     with timed_calls(generator, PHASES[kind], spent):
         tic = time.perf_counter()
-        uids = generator.insert(new, max_tokens=[max_tokens] * len(new))
+        uids = insert()
+        spent["insert"] = time.perf_counter() - tic
         while any(len(seen[u]) < 2 for u in uids):
             _, responses = generator.next()
             now = time.perf_counter() - tic
@@ -111,6 +146,8 @@ def main():
     parser.add_argument("--running", type=int, default=8)
     parser.add_argument("--prompt-length", type=int, default=48)
     parser.add_argument("--running-context", type=int, default=512)
+    parser.add_argument("--shared", type=int, default=4, help="tokens a cached case's prompts share")
+    parser.add_argument("--cases", nargs="+", default=["idle", "joining", "cached"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -138,16 +175,21 @@ def main():
     }
     results = []
     for n in args.arrivals:
-        for case in ("idle", "joining"):
+        for case in args.cases:
             measured = {name: defaultdict(list) for name in generators}
             for r in range(args.repeats + 1):  # the first pass warms up
                 new = prompts(n, args.prompt_length, vocab, 100 + r)
                 running = prompts(args.running, args.running_context, vocab, r) if case == "joining" else []
+                earlier = None
+                if case == "cached":
+                    earlier = prompts(1, args.prompt_length, vocab, 200 + r)[0]
+                    new = [earlier[: args.shared] + p[args.shared :] for p in new]
                 order = list(generators) if r % 2 else list(generators)[::-1]
                 for name in order:
                     kind, make = generators[name]
                     with replay(r):
-                        firsts, seconds_, calls, spent = first_tokens(make(), kind, new, running, 16)
+                        firsts, seconds_, calls, spent = first_tokens(
+                            make(), kind, new, running, 16, earlier)
                     if r:
                         m = measured[name]
                         m["first"] += firsts
