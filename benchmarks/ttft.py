@@ -9,8 +9,9 @@ Two cases per ``--arrivals`` count N:
   ``--running`` sequences;
 - ``cached``: as ``mlx_lm.server`` serves a request after another: an
   earlier request sharing the first ``--shared`` tokens runs to its end and
-  leaves its cache in an ``LRUPromptCache``; each new prompt takes the
-  nearest cache from it (``fetch``, timed) and is inserted with it.
+  leaves its cache in an ``LRUPromptCache``; each new prompt (one token
+  longer each pass, as the server's requests vary) takes the nearest cache
+  from it and is inserted with it (``insert`` includes that fetch).
 
 Reported per generator: the first and second token's latency after the
 insert (p50 and max over the N requests and ``--repeats`` runs), how many
@@ -182,6 +183,8 @@ def main():
                 running = prompts(args.running, args.running_context, vocab, r) if case == "joining" else []
                 earlier = None
                 if case == "cached":
+                    # Each pass a new prompt length, as the server's requests come.
+                    new = prompts(n, args.prompt_length + r, vocab, 100 + r)
                     earlier = prompts(1, args.prompt_length, vocab, 200 + r)[0]
                     new = [earlier[: args.shared] + p[args.shared :] for p in new]
                 order = list(generators) if r % 2 else list(generators)[::-1]
