@@ -9,9 +9,12 @@ Two cases per ``--arrivals`` count N:
   ``--running`` sequences;
 - ``cached``: as ``mlx_lm.server`` serves a request after another: an
   earlier request sharing the first ``--shared`` tokens runs to its end and
-  leaves its cache in an ``LRUPromptCache``; each new prompt (one token
-  longer each pass, as the server's requests vary) takes the nearest cache
-  from it and is inserted with it (``insert`` includes that fetch).
+  leaves its cache in an ``LRUPromptCache``; each new prompt takes the
+  nearest cache from it and is inserted with it (``insert`` includes that
+  fetch).
+
+With ``--new-lengths`` the prompts are one token longer each pass, as the
+server's requests vary (shapes the device has not run yet).
 
 Reported per generator: the first and second token's latency after the
 insert (p50 and max over the N requests and ``--repeats`` runs), how many
@@ -104,12 +107,12 @@ def cached_insert(generator, earlier, new, max_tokens, earlier_tokens=128):
     return insert
 
 
-def first_tokens(generator, kind, new, running, max_tokens, earlier=None):
+def first_tokens(generator, kind, new, running, max_tokens, earlier=None, earlier_tokens=128):
     """``(latencies of the first and second token per request, next() calls
     until every first token, seconds per phase)``."""
     insert = lambda: generator.insert(new, max_tokens=[max_tokens] * len(new))
     if earlier is not None:
-        insert = cached_insert(generator, earlier, new, max_tokens)
+        insert = cached_insert(generator, earlier, new, max_tokens, earlier_tokens)
     if running:
         drive_until_generating(generator, generator.insert(running, max_tokens=[10**6] * len(running)))
         for _ in range(3):  # a few rounds of the running batch
@@ -148,6 +151,8 @@ def main():
     parser.add_argument("--prompt-length", type=int, default=48)
     parser.add_argument("--running-context", type=int, default=512)
     parser.add_argument("--shared", type=int, default=4, help="tokens a cached case's prompts share")
+    parser.add_argument("--earlier-tokens", type=int, default=128, help="tokens the cached case's earlier request generates")
+    parser.add_argument("--new-lengths", action="store_true", help="a new prompt length each pass")
     parser.add_argument("--cases", nargs="+", default=["idle", "joining", "cached"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json")
@@ -182,9 +187,9 @@ def main():
                 new = prompts(n, args.prompt_length, vocab, 100 + r)
                 running = prompts(args.running, args.running_context, vocab, r) if case == "joining" else []
                 earlier = None
-                if case == "cached":
-                    # Each pass a new prompt length, as the server's requests come.
+                if args.new_lengths:  # each pass, as the server's requests come
                     new = prompts(n, args.prompt_length + r, vocab, 100 + r)
+                if case == "cached":
                     earlier = prompts(1, args.prompt_length, vocab, 200 + r)[0]
                     new = [earlier[: args.shared] + p[args.shared :] for p in new]
                 order = list(generators) if r % 2 else list(generators)[::-1]
@@ -192,7 +197,7 @@ def main():
                     kind, make = generators[name]
                     with replay(r):
                         firsts, seconds_, calls, spent = first_tokens(
-                            make(), kind, new, running, 16, earlier)
+                            make(), kind, new, running, 16, earlier, args.earlier_tokens)
                     if r:
                         m = measured[name]
                         m["first"] += firsts
