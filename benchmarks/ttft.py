@@ -11,7 +11,9 @@ Two cases per ``--arrivals`` count N:
   earlier request sharing the first ``--shared`` tokens runs to its end and
   leaves its cache in an ``LRUPromptCache``; each new prompt takes the
   nearest cache from it and is inserted with it (``insert`` includes that
-  fetch).
+  fetch);
+- ``after``: as ``cached``, but the new prompts are inserted without a
+  cache (what a generator that has served a request costs by itself).
 
 With ``--new-lengths`` the prompts are one token longer each pass, as the
 server's requests vary (shapes the device has not run yet).
@@ -81,10 +83,10 @@ def drive_until_generating(generator, uids):
         waiting -= {r.uid for r in responses}
 
 
-def cached_insert(generator, earlier, new, max_tokens, earlier_tokens=128):
+def cached_insert(generator, earlier, new, max_tokens, earlier_tokens=128, use_cache=True):
     """Run ``earlier`` to its end and keep its cache as the server does;
-    returns ``insert(new)`` with each prompt's nearest cache, which counts as
-    ``fetch``."""
+    returns ``insert(new)`` with each prompt's nearest cache (or, without
+    ``use_cache``, with none)."""
     lru = LRUPromptCache()
     (uid,) = generator.insert([earlier], max_tokens=[earlier_tokens])
     done = False
@@ -96,6 +98,8 @@ def cached_insert(generator, earlier, new, max_tokens, earlier_tokens=128):
                 done = True
 
     def insert():
+        if not use_cache:
+            return generator.insert(new, max_tokens=[max_tokens] * len(new))
         fetched = [lru.fetch_nearest_cache("model", p) for p in new]
         return generator.insert(
             [rest for _, rest in fetched],
@@ -107,12 +111,13 @@ def cached_insert(generator, earlier, new, max_tokens, earlier_tokens=128):
     return insert
 
 
-def first_tokens(generator, kind, new, running, max_tokens, earlier=None, earlier_tokens=128):
+def first_tokens(generator, kind, new, running, max_tokens, earlier=None, earlier_tokens=128,
+                 use_cache=True):
     """``(latencies of the first and second token per request, next() calls
     until every first token, seconds per phase)``."""
     insert = lambda: generator.insert(new, max_tokens=[max_tokens] * len(new))
     if earlier is not None:
-        insert = cached_insert(generator, earlier, new, max_tokens, earlier_tokens)
+        insert = cached_insert(generator, earlier, new, max_tokens, earlier_tokens, use_cache)
     if running:
         drive_until_generating(generator, generator.insert(running, max_tokens=[10**6] * len(running)))
         for _ in range(3):  # a few rounds of the running batch
@@ -153,7 +158,7 @@ def main():
     parser.add_argument("--shared", type=int, default=4, help="tokens a cached case's prompts share")
     parser.add_argument("--earlier-tokens", type=int, default=128, help="tokens the cached case's earlier request generates")
     parser.add_argument("--new-lengths", action="store_true", help="a new prompt length each pass")
-    parser.add_argument("--cases", nargs="+", default=["idle", "joining", "cached"])
+    parser.add_argument("--cases", nargs="+", default=["idle", "joining", "cached", "after"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -189,7 +194,7 @@ def main():
                 earlier = None
                 if args.new_lengths:  # each pass, as the server's requests come
                     new = prompts(n, args.prompt_length + r, vocab, 100 + r)
-                if case == "cached":
+                if case in ("cached", "after"):
                     earlier = prompts(1, args.prompt_length, vocab, 200 + r)[0]
                     new = [earlier[: args.shared] + p[args.shared :] for p in new]
                 order = list(generators) if r % 2 else list(generators)[::-1]
@@ -197,7 +202,8 @@ def main():
                     kind, make = generators[name]
                     with replay(r):
                         firsts, seconds_, calls, spent = first_tokens(
-                            make(), kind, new, running, 16, earlier, args.earlier_tokens)
+                            make(), kind, new, running, 16, earlier, args.earlier_tokens,
+                            use_cache=case == "cached")
                     if r:
                         m = measured[name]
                         m["first"] += firsts
