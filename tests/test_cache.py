@@ -1,6 +1,9 @@
 """Rollback of the target's caches at any context length."""
 
 import math
+import re
+import tempfile
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -10,7 +13,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from mlx_dspark.batching.cache import BatchRollbackKVCache
+from mlx_dspark.batching.cache import BatchRollbackKVCache, _live_entries
 from mlx_dspark.cache import SlidingWindowKVCache, rollback_depth, rollback_limit
 from mlx_dspark.plugins import find_target_adapter
 
@@ -158,3 +161,42 @@ def test_one_rollback_contract_for_every_cache_kind():
     assert rollback_depth(ring) == 3 and rollback_limit(ring) == ring.rollback_limit() == 3
     assert rollback_depth(BatchRollbackKVCache(4, 3)) == 3
     assert rollback_depth(BatchRollbackKVCache(None, 3)) == math.inf
+
+
+def primitive_names(*arrays) -> set:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "graph.dot"
+        mx.export_to_dot(str(path), *arrays)
+        return set(re.findall(r'label ="([^"]+)"', path.read_text()))
+
+
+@pytest.mark.parametrize("written", [6, 13, 40])  # not yet wrapped, wrapped, long past
+def test_a_rings_live_entries_are_slices_in_position_order(written):
+    """Merging a server's prompt cache into a batch reads each sliding
+    window's live entries: oldest first, with their positions, and as plain
+    slices of the ring (a gather per layer made the prefill that merges a
+    cache several times slower on a GPU)."""
+    ring = SlidingWindowKVCache(window=5, max_rollback=3)
+    keys = mx.arange(written, dtype=mx.float32).reshape(1, 1, written, 1)
+    for i in range(written):
+        ring.update_and_fetch(keys[:, :, i : i + 1], keys[:, :, i : i + 1])
+    ring.trim(2)
+    mx.eval(ring.state[:2])
+    k, v, positions = _live_entries(ring)
+    assert not primitive_names(k, v, positions) & {"Gather", "ArgSort"}
+    expected = list(range(max(0, written - ring.capacity), written - 2))
+    assert positions.tolist() == expected
+    assert k.reshape(-1).tolist() == v.reshape(-1).tolist() == expected
+
+
+def test_batch_buffers_grow_to_multiples_of_the_step():
+    """A batch merged from prompt caches starts at any width; its buffers
+    still grow to multiples of ``step``, so their shapes repeat round after
+    round."""
+    single = KVCache()
+    single.update_and_fetch(mx.zeros((1, 1, 5, 2)), mx.zeros((1, 1, 5, 2)))
+    batch = BatchRollbackKVCache.merge([single], None, 4)
+    batch.step = 8
+    for n in (3, 1, 9):
+        batch.update_and_fetch(mx.zeros((1, 1, n, 2)), mx.zeros((1, 1, n, 2)))
+        assert batch.keys.shape[2] % 8 == 0 and batch.positions.shape[1] % 8 == 0

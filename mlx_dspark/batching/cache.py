@@ -67,7 +67,7 @@ class BatchRollbackKVCache(_BaseCache):
             pad = width - k.shape[2]
             keys.append(_left_pad(k, pad))
             values.append(_left_pad(v, pad))
-            positions.append(mx.concatenate([mx.full((pad,), -1, mx.int32), p]))
+            positions.append(mx.concatenate([mx.full((pad,), -1, mx.int32), p]) if pad else p)
         batch.keys = mx.concatenate(keys)
         batch.values = mx.concatenate(values)
         batch.positions = mx.stack(positions)
@@ -90,8 +90,8 @@ class BatchRollbackKVCache(_BaseCache):
             return cache
         live = self.positions[idx, : self._idx]
         order = mx.argsort(mx.where(live < end, live, -1))[self._idx - count :]
-        keys = self.keys[idx : idx + 1, :, order]
-        values = self.values[idx : idx + 1, :, order]
+        keys = mx.take(self.keys[idx : idx + 1], order, axis=2)
+        values = mx.take(self.values[idx : idx + 1], order, axis=2)
         if self.window is None:
             cache.update_and_fetch(keys, values)
             return cache
@@ -110,8 +110,10 @@ class BatchRollbackKVCache(_BaseCache):
         if self.keys is not None and need <= self.keys.shape[2]:
             return
         B, H, _, Dk = keys.shape
-        grow = (need - (0 if self.keys is None else self.keys.shape[2]) + self.step - 1)
-        grow = grow // self.step * self.step
+        # Capacities stay multiples of ``step`` (a merged prompt cache starts
+        # at any width), so the buffers' shapes and strides repeat.
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        grow = (need + self.step - 1) // self.step * self.step - capacity
         new_k = mx.zeros((B, H, grow, Dk), keys.dtype)
         new_v = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
         new_p = mx.full((B, grow), -1, mx.int32)
@@ -323,16 +325,22 @@ def _live_entries(cache):
     if cache.keys is None or offset == 0:
         return None
     if isinstance(cache, SlidingWindowKVCache):
-        # The ring holds positions [_start, offset) (and stale ones beyond).
-        positions = cache.slot_positions()
-        live = (positions >= cache._start) & (positions < offset)
-        order = mx.argsort(mx.where(live, positions, offset + positions.size))
-        order = order[: offset - cache._start]
-        return (
-            cache.keys[:, :, order],
-            cache.values[:, :, order],
-            positions[order].astype(mx.int32),
-        )
+        # Position p sits in slot p mod capacity, and the ring holds
+        # [_start, offset) (and stale positions beyond): one or two slices,
+        # found on the host (a gather would add dozens of primitives per
+        # layer to the prefill that merges this cache).
+        first = cache._start % cache.capacity
+        count = offset - cache._start
+        head = min(count, cache.capacity - first)
+
+        def ordered(ring):
+            part = ring[:, :, first : first + head]
+            if head == count:
+                return part
+            return mx.concatenate([part, ring[:, :, : count - head]], axis=2)
+
+        positions = mx.arange(cache._start, offset, dtype=mx.int32)
+        return ordered(cache.keys), ordered(cache.values), positions
     return (
         cache.keys[:, :, :offset],
         cache.values[:, :, :offset],

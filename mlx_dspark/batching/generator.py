@@ -120,9 +120,14 @@ class Rows:
         return taken
 
     def extract(self, i: int) -> list:
-        """Row ``i``'s caches holding exactly its sequence's ``tokens``."""
+        """Row ``i``'s caches holding exactly its sequence's ``tokens``,
+        computed now: left lazy, they would hold on to the whole batch's
+        buffers in the server's prompt cache, and the request that reuses
+        them would pay for their gathers before its first token."""
         end = len(self.sequences[i].tokens)
-        return [c.extract(i, end) for c in self.caches()]
+        caches = [c.extract(i, end) for c in self.caches()]
+        mx.async_eval([x for c in caches for x in c.state if isinstance(x, mx.array)])
+        return caches
 
     def trim_rows(self, counts: List[int]) -> None:
         for c in self.caches():
