@@ -188,10 +188,7 @@ class SlidingWindowKVCache(_BaseCache):
         return self.offset - (self.window - 1) - self._start
 
     def is_trimmable(self) -> bool:
-        # mlx-lm asks this before trimming by any amount (its prompt cache
-        # trims a longer entry down to a shared prefix): once the window has
-        # evicted positions, only a rollback of up to ``rollback_limit`` is.
-        return self._start == 0
+        return True
 
     def trim(self, n: int) -> int:
         if n < 0:

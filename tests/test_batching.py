@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
-from mlx_lm.models.cache import KVCache, LRUPromptCache
+from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlx_dspark.batching.cache import BatchRollbackKVCache, _live_entries
@@ -428,25 +428,6 @@ def test_prompt_cache_from_a_batch_continues_exactly():
         ],
     )
     assert tokens[0] == plain_greedy(model, follow_up, 25)
-
-
-def test_the_servers_prompt_cache_serves_a_prompt_that_diverges_past_the_window():
-    """mlx_lm.server takes a new prompt's nearest cache from its LRU, trimming
-    a longer entry down to the shared prefix when the entry says it can be
-    trimmed. A finished request's cache that has slid past the window can
-    not: the LRU must pass it over (not raise in the server's generation
-    thread), and the new prompt decodes as plain greedy."""
-    model, drafter = trained("gemma4")  # window 8
-    generator = SpeculativeBatchGenerator(model, drafter, policy=FixedPolicy())
-    first = [5, 6, 7, 8, 9, 10, 11]
-    _, finished = run(generator, [(0, first, dict(max_tokens=[20]))])
-    lru = LRUPromptCache()
-    lru.insert_cache("m", finished[0].all_tokens, finished[0].prompt_cache)
-    diverging = first[:3] + [40, 41, 42, 43]
-    cache, rest = lru.fetch_nearest_cache("m", diverging)
-    options = dict(max_tokens=[20], caches=[cache], all_tokens=[diverging[: len(diverging) - len(rest)]])
-    tokens, _ = run(generator, [(0, rest, options)])
-    assert tokens[0] == plain_greedy(model, diverging, 20)
 
 
 def test_a_cache_handed_back_mid_pipeline_holds_only_its_own_tokens():
