@@ -44,6 +44,7 @@ from mlx_lm.models.cache import LRUPromptCache
 import mlx_dspark
 from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.batching.policy import BatchPolicy, FixedPolicy
+from mlx_dspark.integration.server import fetch_nearest_cache
 
 import shapes
 from batch import prompts
@@ -88,6 +89,11 @@ def cached_insert(generator, earlier, new, max_tokens, earlier_tokens=128, use_c
     returns ``insert(new)`` with each prompt's nearest cache (or, without
     ``use_cache``, with none)."""
     lru = LRUPromptCache()
+    # The server's lookup: with a drafter, mlx-dspark's (which trims an entry
+    # only as far as its caches roll back).
+    fetch = LRUPromptCache.fetch_nearest_cache
+    if isinstance(generator, SpeculativeBatchGenerator):
+        fetch = fetch_nearest_cache
     (uid,) = generator.insert([earlier], max_tokens=[earlier_tokens])
     done = False
     while not done:
@@ -100,7 +106,7 @@ def cached_insert(generator, earlier, new, max_tokens, earlier_tokens=128, use_c
     def insert():
         if not use_cache:
             return generator.insert(new, max_tokens=[max_tokens] * len(new))
-        fetched = [lru.fetch_nearest_cache("model", p) for p in new]
+        fetched = [fetch(lru, "model", p) for p in new]
         return generator.insert(
             [rest for _, rest in fetched],
             max_tokens=[max_tokens] * len(new),
