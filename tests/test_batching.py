@@ -2,13 +2,14 @@
 what it would get alone, whoever else is in the batch and whenever they join
 or leave."""
 
+import copy
 import random
 from collections import Counter
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
 from mlx_lm.models.cache import KVCache
@@ -21,10 +22,12 @@ from mlx_dspark.batching.policy import (
     BatchPolicy,
     FixedPolicy,
     best_drafts,
+    confident_drafts,
     expected_tokens,
     interpolate,
 )
 from mlx_dspark.cache import SlidingWindowKVCache
+from mlx_dspark.confidence.calibration import Calibration
 from mlx_dspark.confidence.costs import RoundCosts, RoundTimer
 from mlx_dspark.integration.batch import ServerBatchGenerator
 from mlx_dspark.speculative.sampling import make_sampler, mlx_lm_make_sampler
@@ -139,13 +142,13 @@ def batches(draw):
     return requests, sizes, draw(st.integers(0, 10_000))
 
 
-def check_batch(model, drafter, requests, sizes, seed, follow_up=False):
+def check_batch(model, drafter, requests, sizes, seed, follow_up=False, make=None):
     """Each request's tokens are its own greedy output and its cache holds
     exactly its tokens; with ``follow_up``, each cache then continues a
     follow-up request (all of them in one batch) exactly."""
-    generator = SpeculativeBatchGenerator(
-        model, drafter, policy=RandomPolicy(seed), **sizes
-    )
+    make = make or (lambda model, drafter, **sizes_: SpeculativeBatchGenerator(
+        model, drafter, policy=RandomPolicy(seed), **sizes_))
+    generator = make(model, drafter, **sizes)
     tokens, finished = run(generator, [r[:3] for r in requests])
     follow_ups = []
     for i, (_, prompt, options, stop) in enumerate(requests):
@@ -545,18 +548,35 @@ def test_merge_extract_roundtrip_of_sliding_window_caches(window, rollback, leng
         assert mx.allclose(outs[0], outs[1], atol=1e-6)
 
 
-def test_sampling_in_a_batch_has_the_targets_distribution():
+def untimed_cost_policy(costs):
+    """The ``cost`` policy on fixed costs, blind to how long rounds take here
+    (so that what it chooses does not depend on this machine's speed)."""
+    policy = BatchPolicy(lambda batch, depth: costs)
+    policy.observe = lambda seconds: None
+    return policy
+
+
+RISING = RoundCosts(draft=0.002, verify=[0.010 * (1 + 0.1 * n) for n in range(5)])
+
+
+@pytest.mark.parametrize("by_confidence", [False, True], ids=["all-drafts", "by-confidence"])
+def test_sampling_in_a_batch_has_the_targets_distribution(by_confidence):
     """Rows that sample (T = 1, rejection sampling, budgets of 3 tokens: the
     second round verifies two drafts) next to greedy rows and rows with
     other settings: the first three tokens of each sampling row follow the
-    target's exact distribution, and the greedy rows stay greedy. (All drafts
-    every round, so the random stream does not depend on measured costs.)"""
+    target's exact distribution, and the greedy rows stay greedy. All drafts
+    every round, or a calibrated drafter's rounds verified as far as the
+    ``cost`` policy finds they pay from the drafts' confidences (costs
+    fixed, so the random stream does not depend on this machine)."""
     model, drafter = trained("gemma4")
     settings = dict(temp=1.0)
     counts, greedy = Counter(), plain_greedy(model, PROMPT, 3)
+    if by_confidence:
+        drafter = calibrated(drafter)
     mx.random.seed(7)
     for _ in range(100):
-        generator = SpeculativeBatchGenerator(model, drafter, policy=FixedPolicy())
+        policy = untimed_cost_policy(RISING) if by_confidence else FixedPolicy()
+        generator = SpeculativeBatchGenerator(model, drafter, policy=policy)
         samplers = [make_sampler(**settings)] * 6 + [None, make_sampler(0.7, top_k=5)]
         processors = [[]] * 6 + [[], make_logits_processors(repetition_penalty=1.3)]
         uids = generator.insert(
@@ -781,6 +801,112 @@ def test_policy_parks_when_drafting_rounds_really_take_longer():
     # Drafting became as fast as measured: a few probes bring it back.
     after = [round_(1.0) for _ in range(120)]
     assert after[-10:] == [4] * 10
+
+
+@st.composite
+def drafted_rounds(draw):
+    """A drafted round: each row's predicted prefix survival (non-increasing),
+    its cap, and verify costs by drafts per row (any shape, jagged too)."""
+    K = draw(st.integers(1, 6))
+    rows = draw(st.integers(1, 5))
+    survival = []
+    for _ in range(rows):
+        factors = draw(st.lists(st.floats(0.0, 1.0), min_size=K, max_size=K))
+        survival.append(list(np.cumprod(factors)))
+    caps = draw(st.lists(st.integers(0, K), min_size=rows, max_size=rows))
+    verify = draw(st.lists(st.floats(0.001, 0.05), min_size=K + 1, max_size=K + 1))
+    costs = RoundCosts(draft=draw(st.floats(0.0, 0.01)), verify=verify)
+    return survival, caps, costs
+
+
+@settings(max_examples=500)  # pure arithmetic, a millisecond each
+@given(drafted_rounds())
+def test_a_drafted_rounds_verify_decides_each_position_on_confidences_up_to_it(case):
+    """Causality of ``confident_drafts`` (paper, Appendix A): whether a row's
+    draft j is verified does not change when that row's predicted survival
+    past j changes (to the least and the most it may be), whatever the other
+    rows and the costs."""
+    survival, caps, costs = case
+    k = confident_drafts(survival, caps, costs)
+    assert 0 <= k <= max(caps)
+    for row, row_survival in enumerate(survival):
+        for j in range(1, len(row_survival)):
+            for later in (0.0, row_survival[j - 1]):
+                changed = [list(s) for s in survival]
+                changed[row][j:] = [later] * (len(row_survival) - j)
+                assert (confident_drafts(changed, caps, costs) >= j) == (k >= j)
+
+
+def test_a_drafted_round_verifies_the_positions_that_pay():
+    """Two rows sure of their first two drafts and unsure after; a verify
+    that costs more per row: the round verifies two positions. Flat costs
+    verify all four; a first position nobody believes in verifies none."""
+    rising = RoundCosts(draft=0.002, verify=[0.010, 0.011, 0.012, 0.016, 0.020])
+    sure_then_not = [[0.95, 0.9, 0.1, 0.05]] * 2
+    assert confident_drafts(sure_then_not, [4, 4], rising) == 2
+    flat = RoundCosts(draft=0.002, verify=[0.010] * 5)
+    assert confident_drafts(sure_then_not, [4, 4], flat) == 4
+    assert confident_drafts([[0.0] * 4] * 2, [4, 4], rising) == 0
+    # A row capped at one draft adds nothing past it.
+    one_sure_row = [[0.95, 0.2, 0.1, 0.05], [0.95] * 4]
+    assert confident_drafts(one_sure_row, [4, 1], rising) == 1
+    assert confident_drafts(one_sure_row, [4, 4], rising) == 2
+
+
+class RandomTruncatingPolicy(RandomPolicy):
+    """Drafts as ``RandomPolicy``, then verifies a random number of them
+    once their confidences are read (any number is lossless at T = 0)."""
+
+    def truncate(self, survival, caps, depth):
+        return self.random.randint(0, max(caps, default=0))
+
+
+def calibrated(drafter):
+    """The drafter with fitted temperatures, as after ``mlx_dspark calibrate``."""
+    drafter = copy.copy(drafter)
+    drafter.calibration = Calibration(temperatures=[1.5, 1.2, 1.0, 0.8], drafter="tiny")
+    return drafter
+
+
+@given(batches())
+def test_batches_that_verify_by_confidence_equal_greedy(case):
+    """A calibrated drafter's rounds verify what the policy picks after
+    reading the drafts' confidences, none of them included: each sequence is
+    still its own greedy output, its cache holds exactly its tokens, and
+    follow-ups on those caches continue exactly."""
+    requests, sizes, seed = case
+    model, drafter = trained("gemma4")
+
+    def truncating(model, drafter, **sizes_):
+        policy = RandomTruncatingPolicy(seed)
+        return SpeculativeBatchGenerator(model, drafter, policy=policy, **sizes_)
+
+    check_batch(model, calibrated(drafter), requests, sizes, seed, follow_up=True,
+                make=truncating)
+
+
+def test_the_cost_policy_verifies_a_calibrated_drafters_rounds_by_confidence():
+    """With a calibrated drafter the ``cost`` policy reads each drafted
+    round's confidences: under a verify that costs more per row it verifies
+    fewer drafts in some rounds than it drafted, the output stays greedy,
+    and without the calibration it never looks."""
+    model, drafter = trained("gemma4")
+    prompts_ = [[5, 6, 7, 8, 9], [65, 211, 266, 241], [17, 18, 19]]
+    for drafter_, looks in ((calibrated(drafter), True), (drafter, False)):
+        policy = untimed_cost_policy(RISING)
+        chosen, truncated = [], []
+        choose, truncate = policy.choose, policy.truncate
+        policy.choose = lambda *a: chosen.append(choose(*a)) or chosen[-1]
+        policy.truncate = lambda *a: truncated.append(truncate(*a)) or truncated[-1]
+        generator = SpeculativeBatchGenerator(model, drafter_, policy=policy)
+        tokens, _ = run(generator, [(0, p, dict(max_tokens=[24])) for p in prompts_])
+        for i, p in enumerate(prompts_):
+            assert tokens[i] == plain_greedy(model, p, 24)
+        assert bool(truncated) == looks
+        if looks:
+            drafted = [k for k in chosen if k]
+            assert len(truncated) == len(drafted)
+            assert any(t < k for t, k in zip(truncated, drafted))
 
 
 def test_policy_tries_a_plain_round_when_it_never_ran_one():

@@ -612,11 +612,13 @@ class SpeculativeBatchGenerator:
         the batch stays as it is (nobody finished, removed or joining), no
         sequence's logits processors need its tokens on the host, no
         sequence is so near its budget that what this round emits limits
-        the next one's drafts, and no cache needs packing (which needs the
-        host's lengths)."""
+        the next one's drafts, no cache needs packing (which needs the
+        host's lengths) and the policy does not read the drafts'
+        confidences."""
         rows = self._generation
         return (
             self.pipeline
+            and not self._truncating()
             and not len(self._joining)
             and all(
                 not s.finished and not s.decoding.processors
@@ -641,6 +643,13 @@ class SpeculativeBatchGenerator:
             draws = [s.decoding.draw_for(c) for s, c in zip(sequences, contexts)]
             draw = None if all(d is None for d in draws) else _batch_draw(draws)
             proposal = self._propose(rows, anchors, k, draw)
+            if self._truncating() and proposal.confidence is not None:
+                drafts_per_row = self._truncate(rows, proposal, drafts_per_row)
+                k = max(drafts_per_row)
+                # Verifying none of them is a round without drafts; the
+                # drafter's caches are as they were before it drafted.
+                proposal = proposal.first(k) if k else None
+        if k:
             # Let the device draft while the host builds the verify.
             mx.async_eval(proposal.tokens)
             inputs = mx.concatenate([anchors[:, None], proposal.tokens], axis=1)
@@ -671,6 +680,27 @@ class SpeculativeBatchGenerator:
             s.in_flight += n + 1
         mx.async_eval(launched.outputs(), launched.anchors, [c.state for c in rows.caches()])
         return launched
+
+    def _truncating(self) -> bool:
+        """Whether the policy picks each round's drafts from their calibrated
+        confidences (``BatchPolicy.truncate``): the host then reads them
+        before it builds the verify, so rounds cannot overlap."""
+        return (
+            getattr(self.policy, "truncate", None) is not None
+            and getattr(self.drafter, "calibration", None) is not None
+        )
+
+    def _truncate(self, rows: Rows, proposal, drafts_per_row: List[int]) -> List[int]:
+        """Each row's drafts to verify, once the host has read the drafts'
+        confidences."""
+        temperatures = self.drafter.calibration.temperatures
+        confidence = proposal.confidence.tolist()
+        survivals = [
+            survival(z[:n], temperatures) for z, n in zip(confidence, drafts_per_row)
+        ]
+        depth = max(len(s.tokens) for s in rows.sequences)
+        k = self.policy.truncate(survivals, drafts_per_row, depth)
+        return [min(k, n) for n in drafts_per_row]
 
     def _collect(self, launched: "Launched", reuse: bool):
         """The responses of a launched round, once the device has it: each

@@ -16,9 +16,20 @@ long rounds with and without drafts really take against what the
 measurements predicted (``observe``), and scales the costs by it: a batch
 where drafting looks cheap on paper but is slow in practice parks.
 
-Losslessness when sampling (paper, Appendix A): the choice uses only what
+With a calibrated drafter (a confidence head and fitted temperatures) the
+policy also looks at the round's own drafts before they are verified
+(``truncate``): from each sequence's predicted survival of its drafts it
+verifies one more draft position for the whole batch while that raises
+the expected tokens per second, and stops at the first position that does
+not (the batched form of the paper's Algorithm 1 for one forward of
+``B x (k + 1)`` rows).
+
+Losslessness when sampling (paper, Appendix A): ``choose`` uses only what
 was known before the round's drafts were drawn, namely the earlier rounds'
-acceptance and times, and the measured costs.
+acceptance and times, and the measured costs; ``truncate`` decides whether
+position ``j`` is verified from the confidences up to ``j`` of every
+sequence (a sequence's own confidence ``z_j`` sees its drafts before ``j``
+only), never from a later position.
 """
 
 from collections import deque
@@ -118,6 +129,27 @@ def best_drafts(
     return best
 
 
+def confident_drafts(
+    survival: Sequence[Sequence[float]], caps: Sequence[int], costs: RoundCosts
+) -> int:
+    """How many of a drafted round's positions to verify: ``survival[b][j-1]``
+    is sequence ``b``'s predicted chance that its drafts ``1..j`` all
+    survive, and the drafts are already paid for. Extends the verify by one
+    position for every sequence that has it while the round's expected
+    tokens per second strictly rise, and stops at the first position that
+    does not raise them (so position ``j``'s fate depends on positions up to
+    ``j`` only)."""
+    tokens = float(len(caps))
+    best_k, best_rate = 0, tokens / (costs.draft + costs.verify[0])
+    for j in range(1, min(max(caps, default=0), len(costs.verify) - 1) + 1):
+        tokens += sum(s[j - 1] for s, cap in zip(survival, caps) if cap >= j)
+        rate = tokens / (costs.draft + costs.verify[j])
+        if rate <= best_rate:
+            break
+        best_k, best_rate = j, rate
+    return best_k
+
+
 class BatchPolicy:
     """Chooses each round's number of drafts from measured round costs,
     corrected by the rounds' realised times.
@@ -168,6 +200,17 @@ class BatchPolicy:
                 k = hopeful
         predicted = measured.verify[k] + (measured.draft if k else 0.0)
         self._chosen.append((batch, k > 0, predicted))
+        return k
+
+    def truncate(self, survival, caps, depth: int) -> int:
+        """The drafts to verify of a round ``choose`` decided to draft, from
+        their predicted survival (``confident_drafts``); the round is then
+        observed against the costs of what it verifies."""
+        batch = len(caps)
+        measured = self.costs(batch, depth)
+        k = confident_drafts(survival, caps, self.realised(measured, batch))
+        if self._chosen and self._chosen[-1] is not None:
+            self._chosen[-1] = (batch, True, measured.verify[k] + measured.draft)
         return k
 
     def realised(self, costs: RoundCosts, batch: int) -> RoundCosts:

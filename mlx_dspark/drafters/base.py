@@ -36,6 +36,15 @@ class Proposal:
             )
         )
 
+    def first(self, k: int) -> "Proposal":
+        """The first ``k`` drafts of every row of a batch's proposal."""
+        return Proposal(
+            *(
+                None if (x := getattr(self, f.name)) is None else x[:, :k]
+                for f in dataclasses.fields(self)
+            )
+        )
+
 
 class Drafter(Protocol):
     """A hidden-state drafter, as returned by a ``DrafterKind``'s ``load``.
