@@ -9,6 +9,11 @@ whole speculative round (the drafter's call, then the verify, verdict,
 rollback and commit). Views (reshapes, broadcasts, slices) are counted too;
 on the device most of them launch nothing.
 
+``--prompt-cache`` counts instead what a prompt's first ``next()`` evaluates
+when it comes with a prompt cache, as ``mlx_lm.server`` inserts every request
+after the first, against the same prompt without one: merging the cache into
+the batch is the difference.
+
 Gemma-4-12B's layer structure (48 layers, five sliding to one full) and the
 released DSpark drafter's (5 layers, block 7) at widths divided by
 ``--scale``: widths do not change the graph.
@@ -22,13 +27,16 @@ from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import LRUPromptCache
 
 from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.batching.policy import FixedPolicy
 from mlx_dspark.drafters import gemma4_dspark
 from mlx_dspark.drafters.deepspec import DeepSpecDrafter
 from mlx_dspark.drafters.deepspec_model import Model
+from mlx_dspark.integration.server import fetch_nearest_cache
 
 import shapes
 from batch import prompts
@@ -111,12 +119,73 @@ def count(target, drafter, vocab, batch, drafts):
     return row
 
 
+def evaluated(call) -> int:
+    """Primitives of every ``mx.eval`` and ``mx.async_eval`` ``call()`` makes."""
+    total, originals = [0], (mx.eval, mx.async_eval)
+
+    def recording(original):
+        def record(*args):
+            arrays = [x for _, x in tree_flatten(list(args)) if isinstance(x, mx.array)]
+            total[0] += sum(primitives(*arrays).values())
+            return original(*args)
+        return record
+
+    mx.eval, mx.async_eval = (recording(f) for f in originals)
+    try:
+        call()
+    finally:
+        mx.eval, mx.async_eval = originals
+    return total[0]
+
+
+def count_prompt_cache(target, drafter, vocab, batch):
+    """A first ``next()`` with and without a prompt cache per prompt: an
+    earlier request ran to its end and left its cache in an
+    ``LRUPromptCache``; the new prompts share its first 4 tokens."""
+    row = {"batch": batch}
+    generators = {
+        "plain": (lambda: BatchGenerator(target, completion_batch_size=64),
+                  LRUPromptCache.fetch_nearest_cache),
+        "spec": (lambda: SpeculativeBatchGenerator(target, drafter, completion_batch_size=64,
+                                                   policy=FixedPolicy()),
+                 fetch_nearest_cache),
+    }
+    for name, (make, fetch) in generators.items():
+        for cached in (False, True):
+            generator = make()
+            earlier = prompts(1, 8, vocab, 9)[0]
+            new = [earlier[:4] + p[4:] for p in prompts(batch, 8, vocab, 5)]
+            options = {}
+            if cached:
+                (uid,) = generator.insert([earlier], max_tokens=[4])
+                lru, done = LRUPromptCache(), False
+                while not done:
+                    for r in generator.next()[1]:
+                        if r.finish_reason:
+                            lru.insert_cache("m", r.all_tokens[:], r.prompt_cache)
+                            done = True
+                fetched = [fetch(lru, "m", p) for p in new]
+                options = dict(
+                    caches=[c for c, _ in fetched],
+                    all_tokens=[p[: len(p) - len(rest)] for p, (_, rest) in zip(new, fetched)],
+                )
+                new = [rest for _, rest in fetched]
+            generator.insert(new, max_tokens=[4] * batch, **options)
+            row[f"{name}_{'cached' if cached else 'uncached'}"] = evaluated(generator.next)
+    return row
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=int, default=16)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--drafts", type=int, default=7)
+    parser.add_argument("--prompt-cache", action="store_true", help="count a cached insert's first next()")
     args = parser.parse_args()
     target, drafter, vocab = models(args.scale)
     for b in args.batch:
-        print(json.dumps(count(target, drafter, vocab, b, args.drafts)), flush=True)
+        if args.prompt_cache:
+            row = count_prompt_cache(target, drafter, vocab, b)
+        else:
+            row = count(target, drafter, vocab, b, args.drafts)
+        print(json.dumps(row), flush=True)

@@ -7,8 +7,8 @@ times): a wave sends N streaming chat requests at once, each with its own
 prompt, and waits for all of them. Reported per mode and N: aggregate
 tokens/s (completion tokens of the wave over its wall time), the median
 per-request tokens/s (completion tokens over the request's own time) and
-time to first token (p50, p95) with the part of it spent before the request
-was in the batch (until the response starts), plus the aggregate ratio to
+time to first token (p50, p95) with the part of it spent before the server
+took the request off its queue (until the response starts), plus the aggregate ratio to
 stock.
 
 Default: the bundled tiny Gemma-4 pair on this machine, real acceptance.
@@ -77,7 +77,8 @@ class Server:
     def chat(self, content, max_tokens):
         """One streaming chat request: ``(ttft, seconds, completion_tokens,
         headers)``, ``headers`` the wait for the response to start (the
-        server starts it once the request is in its batch)."""
+        server starts it when its generation thread takes the request,
+        before the request joins the batch)."""
         body = {
             "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens,
@@ -229,7 +230,7 @@ def report(n, by_mode):
             f"N={n:<3} {mode:<14} aggregate {r['aggregate_tps']:8.1f} tok/s ({ratio})  "
             f"per request {r['per_request_tps']:7.1f} tok/s  "
             f"TTFT p50 {1000 * r['ttft_p50']:7.1f} ms  p95 {1000 * r['ttft_p95']:7.1f} ms  "
-            f"(in batch after p50 {1000 * r['headers_p50']:6.1f} ms  p95 {1000 * r['headers_p95']:6.1f} ms)",
+            f"(response started after p50 {1000 * r['headers_p50']:6.1f} ms  p95 {1000 * r['headers_p95']:6.1f} ms)",
             flush=True,
         )
 
