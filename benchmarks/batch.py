@@ -72,6 +72,11 @@ def main():
         "each token's log-probability read on the host",
     )
     parser.add_argument("--serial", action="store_true", help="also both policies with rounds not pipelined")
+    parser.add_argument(
+        "--calibration", type=Path,
+        help="also the cost policy with the drafter calibrated by this file "
+        "(rounds verified by their confidences; real acceptance only)",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -106,6 +111,15 @@ def main():
         generators["spec-fixed-serial"] = lambda: SpeculativeBatchGenerator(
             model, drafter, completion_batch_size=64, policy=FixedPolicy(), pipeline=False,
             **stream,
+        )
+    if args.calibration:
+        if replay:
+            parser.error("--calibration needs real acceptance (the bundled pair)")
+        calibrated = mlx_dspark.load_drafter(
+            TINY / "dspark_tiny_gemma4_block4", calibration=args.calibration
+        )
+        generators["spec-cost-calibrated"] = lambda: SpeculativeBatchGenerator(
+            model, calibrated, completion_batch_size=64, policy=BatchPolicy(), **stream
         )
     results = []
     for n in args.batch:

@@ -13,8 +13,9 @@ The measured costs time each forward on its own; a round in the generator
 also pays the host's work, the drafter taking in what was kept, and gains
 from rounds overlapping. So the policy also learns, per batch size, how
 long rounds with and without drafts really take against what the
-measurements predicted (``observe``), and scales the costs by it: a batch
-where drafting looks cheap on paper but is slow in practice parks.
+measurements predicted (``observe``, the median of recent rounds), and
+scales the costs by it: a batch where drafting looks cheap on paper but is
+slow in practice parks.
 
 With a calibrated drafter (a confidence head and fitted temperatures) the
 policy also looks at the round's own drafts before they are verified
@@ -32,7 +33,8 @@ sequence (a sequence's own confidence ``z_j`` sees its drafts before ``j``
 only), never from a later position.
 """
 
-from collections import deque
+import statistics
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Union
 
@@ -42,8 +44,14 @@ from ..confidence.costs import RoundCosts
 # changes over a conversation, and a parked policy learns nothing new.
 REPROBE_EVERY = 16
 
-# How much each new round's time weighs in the realised/predicted ratios.
-RATIO_WEIGHT = 0.2
+# The first rounds of each kind pay one-off work (kernels compiled for new
+# shapes, buffers allocated, the cost measurements' after-effects): not
+# observed. After them, a kind's realised/predicted ratio is the median of
+# its last few rounds, so that one slow round does not steer the policy for
+# long (a kind observed rarely, such as plain rounds while drafting, keeps
+# its estimate the longest).
+WARM_ROUNDS = 2
+RECENT_ROUNDS = 5
 
 
 @dataclass
@@ -169,9 +177,9 @@ class BatchPolicy:
         self.drafting = 0
         # (batch size, drafted) -> realised / predicted seconds of a round.
         self.ratios = {}
-        # The first round of each kind pays one-off work (the device
-        # compiling kernels for new shapes): not observed.
-        self._warm = set()
+        # (batch size, drafted) -> rounds seen, and the recent ratios.
+        self._seen = Counter()
+        self._recent = defaultdict(lambda: deque(maxlen=RECENT_ROUNDS))
         # (batch size, drafted, predicted seconds) of each round chosen and
         # not yet observed, oldest first.
         self._chosen = deque()
@@ -231,14 +239,12 @@ class BatchPolicy:
         if chosen is None:
             return
         batch, drafted, predicted = chosen
-        if (batch, drafted) not in self._warm:
-            self._warm.add((batch, drafted))
+        kind = (batch, drafted)
+        self._seen[kind] += 1
+        if self._seen[kind] <= WARM_ROUNDS:
             return
-        ratio = seconds / predicted
-        old = self.ratios.get((batch, drafted))
-        self.ratios[(batch, drafted)] = (
-            ratio if old is None else (1 - RATIO_WEIGHT) * old + RATIO_WEIGHT * ratio
-        )
+        self._recent[kind].append(seconds / predicted)
+        self.ratios[kind] = statistics.median(self._recent[kind])
 
 
 class FixedPolicy:
