@@ -612,13 +612,13 @@ class SpeculativeBatchGenerator:
         the batch stays as it is (nobody finished, removed or joining), no
         sequence's logits processors need its tokens on the host, no
         sequence is so near its budget that what this round emits limits
-        the next one's drafts, no cache needs packing (which needs the
-        host's lengths) and the policy does not read the drafts'
-        confidences."""
+        the next one's drafts, and no cache needs packing (which needs the
+        host's lengths). (A round whose drafts the policy reads before
+        the verify, see ``_truncating``, waits for the round before it
+        while it is built.)"""
         rows = self._generation
         return (
             self.pipeline
-            and not self._truncating()
             and not len(self._joining)
             and all(
                 not s.finished and not s.decoding.processors
@@ -684,7 +684,7 @@ class SpeculativeBatchGenerator:
     def _truncating(self) -> bool:
         """Whether the policy picks each round's drafts from their calibrated
         confidences (``BatchPolicy.truncate``): the host then reads them
-        before it builds the verify, so rounds cannot overlap."""
+        before it builds the verify."""
         return (
             getattr(self.policy, "truncate", None) is not None
             and getattr(self.drafter, "calibration", None) is not None
