@@ -179,6 +179,7 @@ def main():
     parser.add_argument("--replay-tau", type=float, help="replayed acceptance (random-weight pairs)")
     parser.add_argument("--replay-block", type=int, default=7, help="the drafter's block size")
     parser.add_argument("--logs", help="keep the servers' logs in this folder")
+    parser.add_argument("--log-level", default="INFO", help="the servers' --log-level (DEBUG: the batch policy's decisions)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if args.replay_tau:
@@ -191,7 +192,8 @@ def main():
         servers = {
             mode: Server(
                 args.model,
-                [f.format(draft=args.draft_model) for f in MODES[mode]],
+                [f.format(draft=args.draft_model) for f in MODES[mode]]
+                + ["--log-level", args.log_level],
                 logs,
             )
             for mode in args.modes

@@ -3,6 +3,7 @@ what it would get alone, whoever else is in the batch and whenever they join
 or leave."""
 
 import copy
+import logging
 import random
 from collections import Counter
 
@@ -31,7 +32,7 @@ from mlx_dspark.confidence.calibration import Calibration
 from mlx_dspark.confidence.costs import RoundCosts, RoundTimer
 from mlx_dspark.integration.batch import ServerBatchGenerator
 from mlx_dspark.speculative.sampling import make_sampler, mlx_lm_make_sampler
-from mlx_dspark.speculative.stats import SpeculativeStats
+from mlx_dspark.speculative.stats import Round, SpeculativeStats
 
 from chisquare import goodness_of_fit
 from pit import (
@@ -779,11 +780,13 @@ def test_policy_parks_when_verifying_more_rows_costs_too_much():
     assert not any(policy.choose(rates, [4] * 8, 100) for _ in range(32))
 
 
-def test_policy_parks_when_drafting_rounds_really_take_longer():
+def test_policy_parks_when_drafting_rounds_really_take_longer(caplog):
     """Measured costs say drafting pays (about 1.9x), but the rounds that
     draft take three times what was measured and plain ones what was
     measured: the policy parks, re-probes every 16 parked rounds, and drafts
-    again once a probe comes back as fast as measured."""
+    again once a probe comes back as fast as measured. Each switch is a
+    debug line in the log, with the ratios behind it."""
+    caplog.set_level(logging.DEBUG)
     costs = RoundCosts(draft=0.002, verify=[0.010] * 5)
     rates = [[0.6] * 4] * 4
     policy = BatchPolicy(lambda batch, depth: costs)
@@ -801,6 +804,25 @@ def test_policy_parks_when_drafting_rounds_really_take_longer():
     # Drafting became as fast as measured: a few probes bring it back.
     after = [round_(1.0) for _ in range(120)]
     assert after[-10:] == [4] * 10
+    switches = [r.getMessage() for r in caplog.records if "Batch policy" in r.getMessage()]
+    assert switches[0].startswith("Batch policy drafts at batch 4")
+    assert switches[1].startswith("Batch policy parks at batch 4")
+    assert "'4 drafted': 3.0" in switches[1]
+    assert switches[-1].startswith("Batch policy drafts")
+
+
+def test_statistics_count_the_rounds_the_policy_decoded_without_drafts():
+    """A parked round (no draft verified) shows in the request's
+    statistics, in ``usage.speculative`` and in the server's log line."""
+    stats = SpeculativeStats("dspark", 4, scheduler="cost")
+    stats.history += [
+        Round(5, 1, [2, 3, 4, 5], None, proposed=0, accepted=0, next_token=9),
+        Round(6, 9, [2, 3, 4, 5], None, proposed=3, accepted=2, next_token=7),
+    ]
+    assert stats.as_dict()["plain_rounds"] == 1
+    assert "2 rounds (1 without drafts)" in stats.summary()
+    stats.history.pop(0)
+    assert stats.as_dict()["plain_rounds"] == 0 and "1 rounds, " in stats.summary()
 
 
 @st.composite

@@ -33,6 +33,7 @@ sequence (a sequence's own confidence ``z_j`` sees its drafts before ``j``
 only), never from a later position.
 """
 
+import logging
 import statistics
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
@@ -183,6 +184,7 @@ class BatchPolicy:
         # (batch size, drafted, predicted seconds) of each round chosen and
         # not yet observed, oldest first.
         self._chosen = deque()
+        self._was_parked = None
 
     def choose(self, rates, caps, depth: int) -> int:
         if not caps or max(caps) == 0:
@@ -192,6 +194,7 @@ class BatchPolicy:
         measured = self.costs(batch, depth)
         costs = self.realised(measured, batch)
         k = best_drafts(rates, caps, costs)
+        self._log_switch(k, max(caps), batch, depth, costs)
         if k:
             self.parked = 0
             self.drafting += 1
@@ -209,6 +212,26 @@ class BatchPolicy:
         predicted = measured.verify[k] + (measured.draft if k else 0.0)
         self._chosen.append((batch, k > 0, predicted))
         return k
+
+    def _log_switch(self, k, cap, batch, depth, costs):
+        """A debug line whenever the policy starts or stops drafting: what
+        it predicted, and the realised/predicted ratios behind it."""
+        if (k == 0) == self._was_parked:
+            return
+        self._was_parked = k == 0
+        shown = k or min(cap, len(costs.verify) - 1)
+        drafted = f", {shown} drafts {1000 * (costs.verify[shown] + costs.draft):.1f} ms" if shown else ""
+        ratios = {f"{b} {'drafted' if d else 'plain'}": round(r, 2) for (b, d), r in self.ratios.items()}
+        logging.debug(
+            "Batch policy %s at batch %d, depth %d: a round predicted plain "
+            "%.1f ms%s; realised/predicted %s",
+            "drafts" if k else "parks",
+            batch,
+            depth,
+            1000 * costs.verify[0],
+            drafted,
+            ratios,
+        )
 
     def truncate(self, survival, caps, depth: int) -> int:
         """The drafts to verify of a round ``choose`` decided to draft, from

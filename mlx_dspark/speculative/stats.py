@@ -50,6 +50,11 @@ class SpeculativeStats:
         return sum(r.proposed for r in self.history)
 
     @property
+    def plain_rounds(self) -> int:
+        """Rounds that verified no draft (a scheduler parked speculation)."""
+        return sum(r.proposed == 0 for r in self.history)
+
+    @property
     def accepted(self) -> int:
         return sum(r.accepted for r in self.history)
 
@@ -91,6 +96,7 @@ class SpeculativeStats:
             "acceptance_rule": self.acceptance_rule,
             "scheduler": self.scheduler,
             "rounds": self.rounds,
+            "plain_rounds": self.plain_rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "predicted": None if self.predicted is None else round(self.predicted, 2),
@@ -107,8 +113,9 @@ class SpeculativeStats:
         predicted = (
             "" if self.predicted is None else f" ({self.predicted:.1f} predicted)"
         )
+        plain = f" ({self.plain_rounds} without drafts)" if self.plain_rounds else ""
         return (
-            f"{self.drafter} ({self.acceptance_rule}): {self.rounds} rounds, "
+            f"{self.drafter} ({self.acceptance_rule}): {self.rounds} rounds{plain}, "
             f"{self.scheduler} scheduler, {self.accepted}/{self.drafted} drafts "
             f"accepted{predicted}, tau {self.tau:.2f} tokens/round, "
             f"acceptance by position [{by_position}]"
