@@ -20,6 +20,7 @@ from mlx_dspark.batching.cache import BatchRollbackKVCache, _live_entries
 from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.batching.policy import (
     Acceptance,
+    WARM_ROUNDS,
     BatchPolicy,
     FixedPolicy,
     best_drafts,
@@ -809,6 +810,25 @@ def test_policy_parks_when_drafting_rounds_really_take_longer(caplog):
     assert switches[1].startswith("Batch policy parks at batch 4")
     assert "'4 drafted': 3.0" in switches[1]
     assert switches[-1].startswith("Batch policy drafts")
+
+
+def test_the_first_rounds_of_each_shape_are_not_taken_for_the_cost_of_drafting():
+    """A new number of drafts is a new verify shape, whose first rounds
+    compile kernels (a few hundred ms each on CUDA): a policy that moves
+    from 4 drafts down to 1 as its sequences near their budgets sees every
+    shape's first rounds 30 times slower than measured, and keeps drafting
+    at the ratio of the rounds after them."""
+    costs = RoundCosts(draft=0.002, verify=[0.010] * 5)
+    rates = [[0.6] * 4]
+    policy = BatchPolicy(lambda batch, depth: costs)
+    for cap in (4, 3, 2, 1):
+        for r in range(WARM_ROUNDS + 1):
+            k = policy.choose(rates, [cap], 100)
+            assert k == cap
+            predicted = costs.verify[k] + costs.draft
+            policy.observe(predicted * (30.0 if r < WARM_ROUNDS else 1.0))
+    assert policy.ratios[1, True] == pytest.approx(1.0)
+    assert policy.choose(rates, [4], 100) == 4
 
 
 def test_statistics_count_the_rounds_the_policy_decoded_without_drafts():

@@ -45,12 +45,13 @@ from ..confidence.costs import RoundCosts
 # changes over a conversation, and a parked policy learns nothing new.
 REPROBE_EVERY = 16
 
-# The first rounds of each kind pay one-off work (kernels compiled for new
-# shapes, buffers allocated, the cost measurements' after-effects): not
-# observed. After them, a kind's realised/predicted ratio is the median of
-# its last few rounds, so that one slow round does not steer the policy for
-# long (a kind observed rarely, such as plain rounds while drafting, keeps
-# its estimate the longest).
+# The first rounds of each shape (batch size and drafts verified) pay
+# one-off work (kernels compiled for the new shapes, a few hundred ms each
+# on CUDA; buffers allocated; the cost measurements' after-effects): not
+# observed. After them, a kind's (with drafts or without) realised/predicted
+# ratio is the median of its last few rounds, so that one slow round does
+# not steer the policy for long (a kind observed rarely, such as plain
+# rounds while drafting, keeps its estimate the longest).
 WARM_ROUNDS = 2
 RECENT_ROUNDS = 5
 
@@ -178,11 +179,12 @@ class BatchPolicy:
         self.drafting = 0
         # (batch size, drafted) -> realised / predicted seconds of a round.
         self.ratios = {}
-        # (batch size, drafted) -> rounds seen, and the recent ratios.
+        # (batch size, drafts) -> rounds seen; (batch size, drafted) -> the
+        # recent ratios.
         self._seen = Counter()
         self._recent = defaultdict(lambda: deque(maxlen=RECENT_ROUNDS))
-        # (batch size, drafted, predicted seconds) of each round chosen and
-        # not yet observed, oldest first.
+        # (batch size, drafts verified, drafted, predicted seconds) of each
+        # round chosen and not yet observed, oldest first.
         self._chosen = deque()
         self._was_parked = None
 
@@ -210,7 +212,7 @@ class BatchPolicy:
             if hopeful and self.parked % REPROBE_EVERY == 0:
                 k = hopeful
         predicted = measured.verify[k] + (measured.draft if k else 0.0)
-        self._chosen.append((batch, k > 0, predicted))
+        self._chosen.append((batch, k, k > 0, predicted))
         return k
 
     def _log_switch(self, k, cap, batch, depth, costs):
@@ -241,7 +243,7 @@ class BatchPolicy:
         measured = self.costs(batch, depth)
         k = confident_drafts(survival, caps, self.realised(measured, batch))
         if self._chosen and self._chosen[-1] is not None:
-            self._chosen[-1] = (batch, True, measured.verify[k] + measured.draft)
+            self._chosen[-1] = (batch, k, True, measured.verify[k] + measured.draft)
         return k
 
     def realised(self, costs: RoundCosts, batch: int) -> RoundCosts:
@@ -261,11 +263,11 @@ class BatchPolicy:
         chosen = self._chosen.popleft() if self._chosen else None
         if chosen is None:
             return
-        batch, drafted, predicted = chosen
-        kind = (batch, drafted)
-        self._seen[kind] += 1
-        if self._seen[kind] <= WARM_ROUNDS:
+        batch, drafts, drafted, predicted = chosen
+        self._seen[batch, drafts] += 1
+        if self._seen[batch, drafts] <= WARM_ROUNDS:
             return
+        kind = (batch, drafted)
         self._recent[kind].append(seconds / predicted)
         self.ratios[kind] = statistics.median(self._recent[kind])
 
