@@ -812,6 +812,29 @@ def test_policy_parks_when_drafting_rounds_really_take_longer(caplog):
     assert switches[-1].startswith("Batch policy drafts")
 
 
+def test_a_batch_size_not_seen_yet_starts_from_the_nearest_ones_ratios():
+    """Rounds at 4 sequences taught the policy what rounds really cost: a
+    batch of 2 or 5 starts from those ratios instead of from the measured
+    costs alone. When drafting is three times slower than measured, 5
+    sequences park at once; when everything runs as measured, 2 sequences
+    draft without probing plain rounds again."""
+    costs = RoundCosts(draft=0.002, verify=[0.010] * 5)
+
+    def learn(drafting_slowdown):
+        policy = BatchPolicy(lambda batch, depth: costs)
+        for _ in range(64):
+            k = policy.choose([[0.6] * 4] * 4, [4] * 4, 100)
+            slowdown = drafting_slowdown if k else 1.0
+            policy.observe((costs.verify[k] + (costs.draft if k else 0.0)) * slowdown)
+        assert {(4, True), (4, False)} <= set(policy.ratios)
+        return policy
+
+    slow = learn(3.0)
+    assert slow.choose([[0.6] * 4] * 5, [4] * 5, 100) == 0
+    as_measured = learn(1.0)
+    assert all(as_measured.choose([[0.6] * 4] * 2, [4] * 2, 100) == 4 for _ in range(48))
+
+
 def test_the_first_rounds_of_each_shape_are_not_taken_for_the_cost_of_drafting():
     """A new number of drafts is a new verify shape, whose first rounds
     compile kernels (a few hundred ms each on CUDA): a policy that moves

@@ -14,8 +14,8 @@ also pays the host's work, the drafter taking in what was kept, and gains
 from rounds overlapping. So the policy also learns, per batch size, how
 long rounds with and without drafts really take against what the
 measurements predicted (``observe``, the median of recent rounds), and
-scales the costs by it: a batch where drafting looks cheap on paper but is
-slow in practice parks.
+scales the costs by it (a batch size not seen yet by the nearest one's): a
+batch where drafting looks cheap on paper but is slow in practice parks.
 
 With a calibrated drafter (a confidence head and fitted temperatures) the
 policy also looks at the round's own drafts before they are verified
@@ -200,9 +200,9 @@ class BatchPolicy:
         if k:
             self.parked = 0
             self.drafting += 1
-            # A batch that never ran plain does not know what that really
+            # A policy that never ran plain does not know what that really
             # costs: try one plain round now and then.
-            if (batch, False) not in self.ratios and self.drafting % REPROBE_EVERY == 0:
+            if self._ratio(batch, False) is None and self.drafting % REPROBE_EVERY == 0:
                 k = 0
         else:
             # Parked. Probe now and then, with the drafts that would pay if
@@ -247,14 +247,26 @@ class BatchPolicy:
         return k
 
     def realised(self, costs: RoundCosts, batch: int) -> RoundCosts:
-        """``costs`` scaled by how long this batch size's rounds really took
-        against them, with drafts and without."""
-        drafting = self.ratios.get((batch, True), 1.0)
-        plain = self.ratios.get((batch, False), 1.0)
+        """``costs`` scaled by how long this batch size's rounds (or the
+        nearest batch size's) really took against them, with drafts and
+        without."""
+        drafting = self._ratio(batch, True) or 1.0
+        plain = self._ratio(batch, False) or 1.0
         return RoundCosts(
             draft=costs.draft * drafting,
             verify=[costs.verify[0] * plain] + [v * drafting for v in costs.verify[1:]],
         )
+
+    def _ratio(self, batch: int, drafted: bool) -> Optional[float]:
+        """The realised/predicted ratio of rounds of this kind at the
+        nearest batch size that has one (the smaller of two as near), or
+        ``None``: a batch size the server has not run yet starts from its
+        neighbour's overhead, not from none."""
+        known = [b for b, d in self.ratios if d == drafted]
+        if not known:
+            return None
+        nearest = min(known, key=lambda b: (abs(b - batch), b))
+        return self.ratios[nearest, drafted]
 
     def observe(self, seconds: float) -> None:
         """The realised time of the oldest round chosen and not yet
