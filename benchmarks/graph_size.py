@@ -6,7 +6,8 @@ evaluates. This counts them, which does not depend on the machine: mlx-lm's
 ``BatchGenerator`` decode step, the target's forward through the speculative
 batch's caches (1 and ``k + 1`` rows a sequence) and through mlx-lm's, and a
 whole speculative round (the drafter's call, then the verify, verdict,
-rollback and commit). Views (reshapes, broadcasts, slices) are counted too;
+rollback and commit), and a round the policy parked (no drafts: the
+target's step and the drafter taking in its hidden states). Views (reshapes, broadcasts, slices) are counted too;
 on the device most of them launch nothing.
 
 ``--prompt-cache`` counts instead what a prompt's first ``next()`` evaluates
@@ -80,6 +81,15 @@ def models(scale: int):
     return target, DeepSpecDrafter(network, "gemma4", Path("<random dspark>")), config["vocab_size"]
 
 
+class Parked:
+    """A batch policy that never drafts."""
+
+    name = "parked"
+
+    def choose(self, rates, caps, depth: int) -> int:
+        return 0
+
+
 def cache_arrays(caches) -> list:
     return [x for c in caches for x in c.state if isinstance(x, mx.array)]
 
@@ -108,6 +118,13 @@ def count(target, drafter, vocab, batch, drafts):
     row["round_draft"] = sum(draft.values())
     row["round_rest"] = sum(rest.values())
     row["round"] = row["round_draft"] + row["round_rest"]
+    parked = SpeculativeBatchGenerator(
+        target, drafter, completion_batch_size=64, policy=Parked(), pipeline=False
+    )
+    parked.insert(batch_prompts, max_tokens=[1000] * batch)
+    for _ in range(4):
+        parked.next()
+    row["round_parked"] = sum(sum(g.values()) for g in launched(parked))
     rows, anchors = spec._generation, spec._anchors()
     for n in (1, drafts + 1):
         out = spec._forward(rows, mx.repeat(anchors[:, None], n, axis=1))

@@ -398,6 +398,41 @@ def test_the_servers_generator_returns_tokens_with_no_round_in_flight():
     assert [tokens[uid] for uid in uids] == [plain_greedy(model, p, 30) for p in prompts]
 
 
+def test_rounds_in_which_nobody_leaves_do_not_copy_the_batchs_caches(monkeypatch):
+    """The server's generator reads every round before the next, and after
+    each it keeps the rows still generating. Filtering a cache copies all
+    of it (a gather of every layer's keys and values), so it happens only
+    when a sequence leaves a batch others stay in: here once, when the
+    shorter request ends; not when both prompts move from prefill to the
+    generating batch, nor in the rounds between. The outputs are the
+    single streams'."""
+    filtered = []
+    original = BatchRollbackKVCache.filter
+    monkeypatch.setattr(
+        BatchRollbackKVCache, "filter",
+        lambda self, keep: (filtered.append(list(keep)), original(self, keep)),
+    )
+    model, drafter = trained("gemma4")
+    generator = ServerBatchGenerator(model, drafter, policy=FixedPolicy())
+    prompts = [[5, 6, 7, 8, 9], [10, 20, 30]]
+    uids = generator.insert(prompts, max_tokens=[12, 30])
+    tokens, finished, rounds_ = {uid: [] for uid in uids}, [], 0
+    while len(finished) < len(uids):
+        _, responses = generator.next()
+        rounds_ += bool(responses)
+        for r in responses:
+            tokens[r.uid].append(r.token)
+            if r.finish_reason:
+                finished.append(r.uid)
+                filtered_when_first_finished = len(filtered)
+    assert rounds_ > 4
+    assert filtered and all(keep == [1] for keep in filtered)
+    assert filtered_when_first_finished == len(filtered)
+    assert [tokens[uid] for uid in uids] == [
+        plain_greedy(model, p, n) for p, n in zip(prompts, (12, 30))
+    ]
+
+
 def test_a_disconnect_leaves_the_others_untouched():
     model, drafter = trained("gemma4")
     generator = SpeculativeBatchGenerator(model, drafter, policy=RandomPolicy(3))

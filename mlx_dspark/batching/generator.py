@@ -102,6 +102,8 @@ class Rows:
         self.sequences += other.sequences
 
     def keep(self, indices: List[int]) -> None:
+        if indices == list(range(len(self.sequences))):
+            return  # every row stays: filtering would copy every cache
         self.sequences = [self.sequences[i] for i in indices]
         if not indices:
             self.target_cache, self.draft_cache = [], []
@@ -111,6 +113,10 @@ class Rows:
 
     def split(self, indices: List[int]) -> "Rows":
         """The rows at ``indices``, taken out of this batch."""
+        if indices == list(range(len(self.sequences))):
+            taken = Rows(self.sequences, self.target_cache, self.draft_cache)
+            self.keep([])
+            return taken
         taken = Rows(
             [self.sequences[i] for i in indices],
             [c.select(indices) for c in self.target_cache],
