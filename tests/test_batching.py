@@ -17,6 +17,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlx_dspark.batching.cache import BatchRollbackKVCache, _live_entries
+from mlx_dspark.batching import generator as generator_module
 from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.batching.policy import (
     Acceptance,
@@ -431,6 +432,46 @@ def test_rounds_in_which_nobody_leaves_do_not_copy_the_batchs_caches(monkeypatch
     assert [tokens[uid] for uid in uids] == [
         plain_greedy(model, p, n) for p, n in zip(prompts, (12, 30))
     ]
+
+
+def test_a_parked_servers_drafter_takes_its_rounds_in_at_once(monkeypatch):
+    """Rounds without drafts keep the target's taps for the drafter, which
+    takes them in when it next drafts, when a sequence leaves, or after
+    ``MAX_PARKED_ROUNDS`` rounds: not after every round the server reads.
+    The outputs are the single streams', drafting again after the park."""
+    monkeypatch.setattr(generator_module, "MAX_PARKED_ROUNDS", 8)
+    model, drafter = trained("gemma4")
+    commits = []
+    original = drafter.commit
+    monkeypatch.setattr(
+        drafter, "commit", lambda cache, hidden, proposal=None: (
+            commits.append(proposal is None and hidden[0].shape[1]),
+            original(cache, hidden, proposal),
+        )
+    )
+
+    class ParkedThenDrafting:
+        name = "parked"
+        rounds = 0
+
+        def choose(self, rates, caps, depth):
+            self.rounds += 1
+            return 0 if self.rounds <= 20 else max(caps, default=0)
+
+    generator = ServerBatchGenerator(model, drafter, policy=ParkedThenDrafting())
+    prompts = [[5, 6, 7, 8, 9], [10, 20, 30]]
+    uids = generator.insert(prompts, max_tokens=[40, 40])
+    tokens = {uid: [] for uid in uids}
+    while any(len(t) < 40 for t in tokens.values()):
+        responses = generator.next()[1]
+        if not any(tokens.values()):
+            commits.clear()  # the prompts' own, up to their first tokens
+        for r in responses:
+            tokens[r.uid].append(r.token)
+    # 20 parked rounds: two batches of 8 taken in, then the last 4 before
+    # the first round with drafts.
+    assert commits[:4] == [8, 8, 4, False]
+    assert [tokens[uid] for uid in uids] == [plain_greedy(model, p, 40) for p in prompts]
 
 
 def test_a_disconnect_leaves_the_others_untouched():

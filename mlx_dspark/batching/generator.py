@@ -44,6 +44,11 @@ from ..validation import check_num_draft_tokens
 from .cache import BatchRollbackKVCache
 from .policy import Acceptance, BatchPolicy, interpolate
 
+# A parked batch keeps its rounds' taps for the drafter to take in at once
+# when it next drafts or the rows change; past this many rounds it takes
+# them in anyway, so a batch parked for long does not hold every round's.
+MAX_PARKED_ROUNDS = 64
+
 
 @dataclass
 class Sequence:
@@ -608,8 +613,10 @@ class SpeculativeBatchGenerator:
         self._in_flight = ahead
         if ahead is None:
             rows = self._generation
-            self._commit_parked()
-            rows.keep([b for b, s in enumerate(rows.sequences) if not s.finished])
+            staying = [b for b, s in enumerate(rows.sequences) if not s.finished]
+            if len(staying) < len(rows) or rows.wasteful(self.compact_waste):
+                self._commit_parked()
+            rows.keep(staying)
             rows.compact(self.compact_waste)
         return responses
 
@@ -678,6 +685,8 @@ class SpeculativeBatchGenerator:
             # Every row keeps its one token; the drafter takes the taps in
             # when it is next needed, all rounds in one call.
             self._parked_taps.append(out.hidden)
+            if len(self._parked_taps) >= MAX_PARKED_ROUNDS:
+                self._commit_parked()
         launched = Launched(
             sequences, drafts_per_row, proposal, log_probs, accepted, tokens,
             anchors=mx.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0],
