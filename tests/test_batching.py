@@ -434,7 +434,8 @@ def test_rounds_in_which_nobody_leaves_do_not_copy_the_batchs_caches(monkeypatch
     ]
 
 
-def test_a_parked_servers_drafter_takes_its_rounds_in_at_once(monkeypatch):
+@pytest.mark.parametrize("pipeline", [False, True], ids=["one-by-one", "pipelined"])
+def test_a_parked_batchs_drafter_takes_its_rounds_in_at_once(monkeypatch, pipeline):
     """Rounds without drafts keep the target's taps for the drafter, which
     takes them in when it next drafts, when a sequence leaves, or after
     ``MAX_PARKED_ROUNDS`` rounds: not after every round the server reads.
@@ -458,7 +459,9 @@ def test_a_parked_servers_drafter_takes_its_rounds_in_at_once(monkeypatch):
             self.rounds += 1
             return 0 if self.rounds <= 20 else max(caps, default=0)
 
-    generator = ServerBatchGenerator(model, drafter, policy=ParkedThenDrafting())
+    generator = SpeculativeBatchGenerator(
+        model, drafter, policy=ParkedThenDrafting(), pipeline=pipeline
+    )
     prompts = [[5, 6, 7, 8, 9], [10, 20, 30]]
     uids = generator.insert(prompts, max_tokens=[40, 40])
     tokens = {uid: [] for uid in uids}
