@@ -53,8 +53,9 @@ def traced(base):
         def observe(self, seconds):
             if hasattr(base, "observe"):
                 super().observe(seconds)
-            if self._pending:
-                self.rounds.append(dict(self._pending.pop(0), seconds=seconds))
+            round_ = self._pending.pop(0) if self._pending else None
+            if round_ is not None and seconds is not None:  # None: not the round's own time
+                self.rounds.append(dict(round_, seconds=seconds))
 
     return Traced
 

@@ -425,7 +425,8 @@ def test_rounds_in_which_nobody_leaves_do_not_copy_the_batchs_caches(monkeypatch
             tokens[r.uid].append(r.token)
             if r.finish_reason:
                 finished.append(r.uid)
-                filtered_when_first_finished = len(filtered)
+                if len(finished) == 1:
+                    filtered_when_first_finished = len(filtered)
     assert rounds_ > 4
     assert filtered and all(keep == [1] for keep in filtered)
     assert filtered_when_first_finished == len(filtered)
@@ -439,7 +440,9 @@ def test_a_parked_batchs_drafter_takes_its_rounds_in_at_once(monkeypatch, pipeli
     """Rounds without drafts keep the target's taps for the drafter, which
     takes them in when it next drafts, when a sequence leaves, or after
     ``MAX_PARKED_ROUNDS`` rounds: not after every round the server reads.
-    The outputs are the single streams', drafting again after the park."""
+    A round that took parked taps in is not timed for the policy (its time
+    is not its own). The outputs are the single streams', drafting again
+    after the park."""
     monkeypatch.setattr(generator_module, "MAX_PARKED_ROUNDS", 8)
     model, drafter = trained("gemma4")
     commits = []
@@ -454,14 +457,17 @@ def test_a_parked_batchs_drafter_takes_its_rounds_in_at_once(monkeypatch, pipeli
     class ParkedThenDrafting:
         name = "parked"
         rounds = 0
+        observed = []
 
         def choose(self, rates, caps, depth):
             self.rounds += 1
             return 0 if self.rounds <= 20 else max(caps, default=0)
 
-    generator = SpeculativeBatchGenerator(
-        model, drafter, policy=ParkedThenDrafting(), pipeline=pipeline
-    )
+        def observe(self, seconds):
+            self.observed.append(seconds)
+
+    policy = ParkedThenDrafting()
+    generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=pipeline)
     prompts = [[5, 6, 7, 8, 9], [10, 20, 30]]
     uids = generator.insert(prompts, max_tokens=[40, 40])
     tokens = {uid: [] for uid in uids}
@@ -474,7 +480,43 @@ def test_a_parked_batchs_drafter_takes_its_rounds_in_at_once(monkeypatch, pipeli
     # 20 parked rounds: two batches of 8 taken in, then the last 4 before
     # the first round with drafts.
     assert commits[:4] == [8, 8, 4, False]
+    untimed = [i for i, seconds in enumerate(policy.observed) if seconds is None]
+    # Rounds 8 and 16 took in 8 parked rounds each, round 21 the last 4
+    # (pipelined, the round read while one of them was launched too).
+    assert untimed == [7, 15, 20] if not pipeline else {7, 15, 20} <= set(untimed) <= {6, 7, 14, 15, 19, 20}
     assert [tokens[uid] for uid in uids] == [plain_greedy(model, p, 40) for p in prompts]
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["one-by-one", "pipelined"])
+def test_rows_leaving_a_parked_batch_hand_back_the_drafters_entries(monkeypatch, pipeline):
+    """A batch that never drafts: when a row leaves, and after every
+    ``MAX_PARKED_ROUNDS`` rounds, the drafter takes in the taps it has
+    not. Each request's handed-back caches, the drafter's included, hold
+    the same entries as those of a batch that drafted every round."""
+    monkeypatch.setattr(generator_module, "MAX_PARKED_ROUNDS", 4)
+    model, drafter = trained("gemma4")
+
+    class Parked:
+        name = "parked"
+
+        def choose(self, rates, caps, depth):
+            return 0
+
+    handed_back = []
+    for policy in (Parked(), FixedPolicy()):
+        generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=pipeline)
+        uids = generator.insert([[5, 6, 7, 8, 9], [10, 20, 30]], max_tokens=[13, 30])
+        done = {}
+        while len(done) < len(uids):
+            done.update((r.uid, r) for r in generator.next()[1] if r.finish_reason)
+        handed_back.append([done[uid] for uid in uids])
+    for parked, drafted in zip(*handed_back):
+        assert parked.all_tokens == drafted.all_tokens
+        assert len(parked.prompt_cache) == len(drafted.prompt_cache) > len(model.layers)
+        for ours, reference in zip(parked.prompt_cache, drafted.prompt_cache):
+            (k, v, p), (k_ref, v_ref, p_ref) = _live_entries(ours), _live_entries(reference)
+            assert p.tolist() == p_ref.tolist()
+            assert mx.allclose(k, k_ref, atol=1e-4) and mx.allclose(v, v_ref, atol=1e-4)
 
 
 def test_a_disconnect_leaves_the_others_untouched():
@@ -912,6 +954,22 @@ def test_a_batch_size_not_seen_yet_starts_from_the_nearest_ones_ratios():
     assert slow.choose([[0.6] * 4] * 5, [4] * 5, 100) == 0
     as_measured = learn(1.0)
     assert all(as_measured.choose([[0.6] * 4] * 2, [4] * 2, 100) == 4 for _ in range(48))
+
+
+def test_a_round_whose_time_is_not_its_own_teaches_the_policy_nothing():
+    """The generator reports ``None`` for a round that also did the
+    drafter's deferred work: it neither warms its shape up nor moves a
+    ratio."""
+    costs = RoundCosts(draft=0.002, verify=[0.010] * 5)
+    policy = BatchPolicy(lambda batch, depth: costs)
+    for _ in range(5):
+        policy.choose([[0.6] * 4], [4], 100)
+        policy.observe(None)
+    assert policy.ratios == {}
+    for _ in range(WARM_ROUNDS + 1):
+        k = policy.choose([[0.6] * 4], [4], 100)
+        policy.observe(2 * (costs.verify[k] + costs.draft))
+    assert policy.ratios == {(1, True): pytest.approx(2.0)}
 
 
 def test_the_first_rounds_of_each_shape_are_not_taken_for_the_cost_of_drafting():

@@ -599,7 +599,8 @@ class SpeculativeBatchGenerator:
     def _step(self):
         """Read one round; before that, launch the next one when nothing
         has to wait for the host (see ``_can_overlap``). The policy learns
-        how long the round took (measuring costs aside)."""
+        how long the round took (measuring costs aside), unless the drafter
+        took in parked rounds' taps in it."""
         tic, measuring = time.perf_counter(), self._measuring
         if self._in_flight is None:
             self._in_flight = self._launch(self._anchors())
@@ -609,7 +610,10 @@ class SpeculativeBatchGenerator:
         responses = self._collect(self._in_flight, reuse=ahead is None)
         observe = getattr(self.policy, "observe", None)
         if observe is not None:
-            observe(time.perf_counter() - tic - (self._measuring - measuring))
+            # The drafter's deferred work says nothing of what a round costs.
+            deferred = self._in_flight.took_in_parked or (ahead is not None and ahead.took_in_parked)
+            elapsed = time.perf_counter() - tic - (self._measuring - measuring)
+            observe(None if deferred else elapsed)
         self._in_flight = ahead
         if ahead is None:
             rows = self._generation
@@ -650,8 +654,9 @@ class SpeculativeBatchGenerator:
         drafts_per_row = self._choose_drafts(rows)
         k = max(drafts_per_row)
         contexts = [s.context() for s in sequences]
-        proposal = None
+        proposal, took_in_parked = None, False
         if k:
+            took_in_parked = bool(self._parked_taps)
             self._commit_parked()
             draws = [s.decoding.draw_for(c) for s, c in zip(sequences, contexts)]
             draw = None if all(d is None for d in draws) else _batch_draw(draws)
@@ -686,10 +691,12 @@ class SpeculativeBatchGenerator:
             # when it is next needed, all rounds in one call.
             self._parked_taps.append(out.hidden)
             if len(self._parked_taps) >= MAX_PARKED_ROUNDS:
+                took_in_parked = True
                 self._commit_parked()
         launched = Launched(
             sequences, drafts_per_row, proposal, log_probs, accepted, tokens,
             anchors=mx.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0],
+            took_in_parked=took_in_parked,
         )
         for s, n in zip(sequences, drafts_per_row):
             s.in_flight += n + 1
@@ -837,6 +844,7 @@ class Launched:
     accepted: mx.array  # [B]
     tokens: mx.array  # [B, k + 1]
     anchors: mx.array  # [B]: the next round's anchors
+    took_in_parked: bool = False  # the drafter took in parked rounds' taps too
 
     @property
     def k(self) -> int:

@@ -268,12 +268,13 @@ class BatchPolicy:
         nearest = min(known, key=lambda b: (abs(b - batch), b))
         return self.ratios[nearest, drafted]
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, seconds: Optional[float]) -> None:
         """The realised time of the oldest round chosen and not yet
         observed (the generator reads rounds in the order they were
-        chosen)."""
+        chosen); ``None`` for a round whose time is not its own (it also
+        did work deferred from other rounds)."""
         chosen = self._chosen.popleft() if self._chosen else None
-        if chosen is None:
+        if chosen is None or seconds is None:
             return
         batch, drafts, drafted, predicted = chosen
         self._seen[batch, drafts] += 1

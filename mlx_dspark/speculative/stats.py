@@ -51,7 +51,8 @@ class SpeculativeStats:
 
     @property
     def plain_rounds(self) -> int:
-        """Rounds that verified no draft (a scheduler parked speculation)."""
+        """Rounds that verified no draft (parked by a scheduler, or with no
+        draft left to verify under the request's budget)."""
         return sum(r.proposed == 0 for r in self.history)
 
     @property
