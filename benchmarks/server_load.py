@@ -76,9 +76,10 @@ class Server:
 
     def chat(self, content, max_tokens):
         """One streaming chat request: ``(ttft, seconds, completion_tokens,
-        headers)``, ``headers`` the wait for the response to start (the
+        headers, gap)``, ``headers`` the wait for the response to start (the
         server starts it when its generation thread takes the request,
-        before the request joins the batch)."""
+        before the request joins the batch), ``gap`` the longest wait for a
+        chunk and the wall-clock time it ended (to find it in the logs)."""
         body = {
             "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens,
@@ -91,7 +92,7 @@ class Server:
             headers={"Content-Type": "application/json"},
         )
         start = time.perf_counter()
-        first, tokens = None, 0
+        first, tokens, last, gap = None, 0, start, (0.0, 0.0)
         try:
             response = urllib.request.urlopen(request, timeout=600)
             headers = time.perf_counter() - start
@@ -102,11 +103,15 @@ class Server:
                 if not line.startswith(b"data: {"):
                     continue
                 chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if now - last > gap[0]:
+                    gap = (now - last, time.time())
+                last = now
                 if first is None and chunk.get("choices"):
                     first = time.perf_counter() - start
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
-        return first or 0.0, time.perf_counter() - start, tokens, headers
+        return first or 0.0, time.perf_counter() - start, tokens, headers, gap
 
     def chat_retrying(self, content, max_tokens):
         # The stock HTTP server listens with a backlog of 5: a connection it
@@ -121,6 +126,10 @@ class Server:
     def stop(self):
         self.process.terminate()
         self.process.wait(timeout=60)
+
+
+# A wait this long between two chunks of one response is reported.
+STALL_SECONDS = 1.0
 
 
 def prompt(wave: int, i: int, words: int) -> str:
@@ -143,6 +152,10 @@ def wave(server, n, wave_index, max_tokens, words):
         "ttft": [r[0] for r in results],
         "headers": [r[3] for r in results],
         "per_request": [r[2] / r[1] for r in results if r[1] > 0],
+        "stalls": [
+            {"request": i, "seconds": r[4][0], "ended": r[4][1]}
+            for i, r in enumerate(results) if r[4][0] > STALL_SECONDS
+        ],
     }
 
 
@@ -164,6 +177,7 @@ def summarise(waves):
         "ttft_p95": percentile(ttft, 0.95),
         "headers_p50": percentile(headers, 0.5),
         "headers_p95": percentile(headers, 0.95),
+        "stalls": [dict(s, wave=i) for i, w in enumerate(waves) for s in w["stalls"]],
     }
 
 
@@ -235,6 +249,13 @@ def report(n, by_mode):
             f"(response started after p50 {1000 * r['headers_p50']:6.1f} ms  p95 {1000 * r['headers_p95']:6.1f} ms)",
             flush=True,
         )
+        for stall in r["stalls"]:
+            ended = time.strftime("%H:%M:%S", time.localtime(stall["ended"]))
+            print(
+                f"      {mode}: request {stall['request']} of wave {stall['wave']} waited "
+                f"{stall['seconds']:.1f} s for a chunk, until {ended}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

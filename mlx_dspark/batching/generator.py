@@ -49,6 +49,10 @@ from .policy import Acceptance, BatchPolicy, interpolate
 # them in anyway, so a batch parked for long does not hold every round's.
 MAX_PARKED_ROUNDS = 64
 
+# A ``next()`` slower than this is logged (DEBUG) with its parts: on a GPU
+# the first use of a shape compiles kernels, and a server's stalls show.
+SLOW_CALL_SECONDS = 1.0
+
 
 @dataclass
 class Sequence:
@@ -398,10 +402,13 @@ class SpeculativeBatchGenerator:
                 return generation_responses
 
     def _next(self):
+        start, phases = time.perf_counter(), []
         generation_responses = []
         if len(self._generation):
             tic = time.perf_counter()
+            batch = len(self._generation)
             generation_responses = self._step()
+            phases.append((f"a round of {batch} sequences", time.perf_counter() - tic))
             self._counters.decode_time += time.perf_counter() - tic
             self._counters.generation_tokens += len(generation_responses)
             self._counters.generation_steps += 1
@@ -424,6 +431,7 @@ class SpeculativeBatchGenerator:
             if len(s.segments) == 1 and len(s.segments[0]) == 1
         ]
         if ready:
+            tic = time.perf_counter()
             started = self._prefill.split(ready)
             for s in started.sequences:
                 prompt_responses.append(
@@ -432,8 +440,17 @@ class SpeculativeBatchGenerator:
             generation_responses += self._first_step(started)
             self._joining.extend(started)
             self._join()
+            phases.append((f"the first step of {len(ready)}", time.perf_counter() - tic))
         if len(self._prefill):
+            tic = time.perf_counter()
             prompt_responses += self._prefill_chunk()
+            phases.append((f"a prefill chunk of {len(self._prefill)}", time.perf_counter() - tic))
+        elapsed = time.perf_counter() - start
+        if elapsed > SLOW_CALL_SECONDS:
+            logging.debug(
+                "Slow batch step: %.2f s (%s)", elapsed,
+                ", ".join(f"{what} {seconds:.2f} s" for what, seconds in phases),
+            )
         return prompt_responses, generation_responses
 
     def _join(self):
