@@ -9,7 +9,13 @@ tokens/s (completion tokens of the wave over its wall time), the median
 per-request tokens/s (completion tokens over the request's own time) and
 time to first token (p50, p95) with the part of it spent before the server
 took the request off its queue (until the response starts), plus the aggregate ratio to
-stock.
+stock. A response that waited over a second between two chunks is listed
+with the time it ended, to find in the servers' logs (``--logs``).
+
+Waves end with their slowest request, so a batch that finishes its requests
+at different times pays for its tail in every wave. ``--sustain S`` measures
+the steady state instead: each of the N clients sends requests back to back
+for S seconds.
 
 Default: the bundled tiny Gemma-4 pair on this machine, real acceptance.
 With ``--replay-tau`` the servers replay that mean acceptance length
@@ -49,9 +55,9 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model, flags, log_dir):
+    def __init__(self, model, flags, log_dir, name):
         self.port = free_port()
-        self.log = Path(log_dir) / f"server-{self.port}.log"
+        self.log = Path(log_dir) / f"{name}.log"
         env = dict(os.environ)
         env.pop("MLX_DSPARK_DISABLE", None)
         self.process = subprocess.Popen(
@@ -78,8 +84,9 @@ class Server:
         """One streaming chat request: ``(ttft, seconds, completion_tokens,
         headers, gap)``, ``headers`` the wait for the response to start (the
         server starts it when its generation thread takes the request,
-        before the request joins the batch), ``gap`` the longest wait for a
-        chunk and the wall-clock time it ended (to find it in the logs)."""
+        before the request joins the batch), ``gap`` the longest wait between
+        two chunks after the first token and the wall-clock time it ended (to
+        find it in the servers' logs)."""
         body = {
             "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens,
@@ -104,11 +111,11 @@ class Server:
                     continue
                 chunk = json.loads(line[6:])
                 now = time.perf_counter()
-                if now - last > gap[0]:
+                if first is not None and now - last > gap[0]:
                     gap = (now - last, time.time())
-                last = now
                 if first is None and chunk.get("choices"):
-                    first = time.perf_counter() - start
+                    first = now - start
+                last = now
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
         return first or 0.0, time.perf_counter() - start, tokens, headers, gap
@@ -136,15 +143,23 @@ def prompt(wave: int, i: int, words: int) -> str:
     return " ".join(f"w{(wave * 131 + i * 37 + j * 11) % 500 + 5}" for j in range(words))
 
 
-def wave(server, n, wave_index, max_tokens, words):
+def wave(server, n, wave_index, max_tokens, words, sustain=None):
+    """N clients at once, each sending one request, or with ``sustain``
+    each sending requests back to back for that many seconds (the wave
+    then ends when the last request started in time ends)."""
+
+    def client(i):
+        if sustain is None:
+            return [server.chat_retrying(prompt(wave_index, i, words), max_tokens)]
+        done, end = [], time.perf_counter() + sustain
+        while time.perf_counter() < end:
+            content = prompt(wave_index * 100 + len(done), i, words)
+            done.append(server.chat_retrying(content, max_tokens))
+        return done
+
     tic = time.perf_counter()
     with ThreadPoolExecutor(n) as pool:
-        results = list(
-            pool.map(
-                lambda i: server.chat_retrying(prompt(wave_index, i, words), max_tokens),
-                range(n),
-            )
-        )
+        results = [r for rs in pool.map(client, range(n)) for r in rs]
     wall = time.perf_counter() - tic
     return {
         "wall": wall,
@@ -190,6 +205,11 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=24)
     parser.add_argument("--waves", type=int, default=3)
+    parser.add_argument(
+        "--sustain", type=float,
+        help="seconds each wave's clients keep sending requests back to back "
+        "(default: one request each, the wave ends with the slowest)",
+    )
     parser.add_argument("--replay-tau", type=float, help="replayed acceptance (random-weight pairs)")
     parser.add_argument("--replay-block", type=int, default=7, help="the drafter's block size")
     parser.add_argument("--logs", help="keep the servers' logs in this folder")
@@ -209,6 +229,7 @@ def main():
                 [f.format(draft=args.draft_model) for f in MODES[mode]]
                 + ["--log-level", args.log_level],
                 logs,
+                mode,
             )
             for mode in args.modes
         }
@@ -222,7 +243,7 @@ def main():
                     order = list(servers) if w % 2 == 0 else list(servers)[::-1]
                     for mode in order:
                         waves[mode].append(
-                            wave(servers[mode], n, w, args.max_tokens, args.prompt_words)
+                            wave(servers[mode], n, w, args.max_tokens, args.prompt_words, args.sustain)
                         )
                 results[n] = {mode: summarise(ws) for mode, ws in waves.items()}
                 report(n, results[n])

@@ -399,6 +399,28 @@ def test_the_servers_generator_returns_tokens_with_no_round_in_flight():
     assert [tokens[uid] for uid in uids] == [plain_greedy(model, p, 30) for p in prompts]
 
 
+def test_the_servers_generator_logs_its_slow_calls_and_where_its_time_went(monkeypatch, caplog):
+    """A server operator chasing a stall finds it in the DEBUG log: each slow
+    ``next()`` with its parts (rounds, first steps, prefill chunks), and
+    how the generation thread's time split between the generator and the
+    server's own work. (The thresholds are set to zero: every call is slow.)"""
+    monkeypatch.setattr(generator_module, "SLOW_CALL_SECONDS", -1.0)
+    monkeypatch.setattr(ServerBatchGenerator, "LOAD_LOG_SECONDS", 0.0)
+    model, drafter = trained("gemma4")
+    generator = ServerBatchGenerator(model, drafter, policy=FixedPolicy())
+    generator.insert([[5, 6, 7, 8, 9], [10, 20, 30]], max_tokens=[6, 6])
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(4):
+            generator.next()
+    slow = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Slow batch step")]
+    load = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Batch generator, last")]
+    assert len(slow) == len(load) == 4
+    assert "a prefill chunk of 2" in slow[0]
+    assert "the first step of 2" in slow[1]
+    assert "a round of 2 sequences" in slow[2]
+    assert all("% in next()" in line and "% in the server between calls" in line for line in load)
+
+
 def test_rounds_in_which_nobody_leaves_do_not_copy_the_batchs_caches(monkeypatch):
     """The server's generator reads every round before the next, and after
     each it keeps the rows still generating. Filtering a cache copies all

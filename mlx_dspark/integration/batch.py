@@ -1,5 +1,8 @@
 """The speculative batch generator as ``mlx_lm.server`` drives it."""
 
+import logging
+import time
+
 from ..batching.generator import SpeculativeBatchGenerator
 from ..speculative.stats import SpeculativeStats
 from .dispatch import local
@@ -15,11 +18,39 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
     log-probability on the generator's stream (``logprobs[token].item()``),
     and behind a round launched ahead that read waits for the whole round.
     Driven that way on an H200 at 12B shapes, pipelined rounds ran at
-    0.64-0.88x the speed of rounds read one by one (BENCHMARKS.md)."""
+    0.64-0.88x the speed of rounds read one by one (BENCHMARKS.md).
+
+    Every ``LOAD_LOG_SECONDS`` while busy it logs (DEBUG) how the generation
+    thread's time split between ``next()`` and the server's own work on the
+    responses between calls (detokenizing, streaming, prompt caching)."""
+
+    LOAD_LOG_SECONDS = 10.0
 
     def __init__(self, model, drafter, **kwargs):
         kwargs.setdefault("pipeline", False)
         super().__init__(model, drafter, **kwargs)
+        self._load = {"since": None, "returned": None, "inside": 0.0, "between": 0.0, "calls": 0, "tokens": 0}
+
+    def next(self):
+        load, start = self._load, time.perf_counter()
+        if load["returned"] is not None and start - load["returned"] < 1.0:
+            load["between"] += start - load["returned"]  # longer: the server was idle
+        prompt_responses, generation_responses = super().next()
+        load["returned"] = end = time.perf_counter()
+        load["inside"] += end - start
+        load["calls"] += 1
+        load["tokens"] += len(generation_responses)
+        load["since"] = load["since"] or start
+        if end - load["since"] >= self.LOAD_LOG_SECONDS:
+            window = end - load["since"]
+            logging.debug(
+                "Batch generator, last %.1f s: %d calls, %d tokens; %.0f%% in next(), "
+                "%.0f%% in the server between calls",
+                window, load["calls"], load["tokens"],
+                100 * load["inside"] / window, 100 * load["between"] / window,
+            )
+            load.update(since=end, inside=0.0, between=0.0, calls=0, tokens=0)
+        return prompt_responses, generation_responses
 
     def insert_segments(self, segments, *args, **kwargs):
         slot, local.inserting = getattr(local, "inserting", None), None
