@@ -418,7 +418,40 @@ def test_the_servers_generator_logs_its_slow_calls_and_where_its_time_went(monke
     assert "a prefill chunk of 2" in slow[0]
     assert "the first step of 2" in slow[1]
     assert "a round of 2 sequences" in slow[2]
-    assert all("% in next()" in line and "% in the server between calls" in line for line in load)
+    assert all("% in the server between calls" in line for line in load)
+    assert "% in next() (prefill " in load[0] and "% in next() (rounds " in load[2]
+
+
+def test_the_cost_policy_measures_a_few_verify_lengths_a_round(monkeypatch, tmp_path):
+    """On a machine with no cost profile yet, the server's first rounds do
+    not stop every request for a whole measurement (5-17 s at 12B on
+    CUDA): each round times the next two verify lengths
+    (``VERIFIES_MEASURED_PER_ROUND``), drafts no more than the lengths timed
+    so far cover, and the output is still the target's."""
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    model, drafter = trained("gemma4")
+    generator = ServerBatchGenerator(model, drafter)  # the default, cost policy
+    timed, drafts = [], []
+    time_verify, choose = generator._time_verify, generator._choose_drafts
+    monkeypatch.setattr(generator, "_time_verify", lambda n: timed.append(n) or time_verify(n))
+    monkeypatch.setattr(generator, "_choose_drafts", lambda rows: drafts.append(choose(rows)) or drafts[-1])
+    prompt = [5, 6, 7, 8, 9]
+    (uid,) = generator.insert([prompt], max_tokens=[24])
+    tokens, per_round = [], []
+    while not tokens or not finished:
+        mark, rounds = len(timed), len(drafts)
+        _, responses = generator.next()
+        tokens += [r.token for r in responses]
+        finished = any(r.finish_reason for r in responses)
+        if len(drafts) > rounds:
+            per_round.append((sorted(set(timed[mark:])), max(drafts[-1])))
+    rows = drafter.max_draft_tokens + 1
+    measuring = [(lengths, k) for lengths, k in per_round if lengths]
+    assert [lengths for lengths, _ in measuring] == [
+        list(range(i, min(i + 2, rows + 1))) for i in range(1, rows + 1, 2)
+    ]
+    assert all(k < lengths[-1] for lengths, k in measuring)
+    assert tokens == plain_greedy(model, prompt, 24)
 
 
 def test_rounds_in_which_nobody_leaves_do_not_copy_the_batchs_caches(monkeypatch):

@@ -439,10 +439,17 @@ class CountingTimer:
         self.drafts = len(verify) - 1
         self.verify_rows = len(verify)
         self.calls = 0
+        self.verified = []  # the verify lengths timed, in order
+        self.drafts_timed = 0
 
-    def __call__(self):
+    def __call__(self, tokens=None, draft=True):
         self.calls += 1
-        return self.costs
+        tokens = list(range(1, self.verify_rows + 1) if tokens is None else tokens)
+        self.verified += tokens
+        self.drafts_timed += draft
+        return RoundCosts(
+            self.costs.draft if draft else 0.0, [self.costs.verify[n - 1] for n in tokens]
+        )
 
 
 def test_cost_profiles_are_measured_once_per_depth_and_kept_on_disk(tmp_path):
@@ -463,6 +470,28 @@ def test_cost_profiles_are_measured_once_per_depth_and_kept_on_disk(tmp_path):
     assert timer.calls == 3
     CostProfile(path).costs(300, CountingTimer(0.002, [0.01] * 6))
     assert len(json.loads(path.read_text())["512"]["verify"]) == 6
+
+
+def test_a_profile_measured_a_few_verifies_at_a_time_is_the_whole_measurement(tmp_path):
+    """A server measures a round's costs across rounds (``most`` verifies a
+    call) rather than stopping every request for all of them: each call
+    times only the next lengths (the draft once), returns what is known so
+    far, and the profile is kept on disk only once it is complete."""
+    path = tmp_path / "profile.json"
+    timer = CountingTimer(0.002, [0.01, 0.011, 0.012, 0.013, 0.014])
+    profile = CostProfile(path)
+    seen = [profile.costs(100, timer, batch=4, most=2) for _ in range(2)]
+    assert not path.exists()
+    seen.append(profile.costs(100, timer, batch=4, most=2))
+    assert [len(c.verify) for c in seen] == [2, 4, 5]
+    assert timer.verified == [1, 2, 3, 4, 5] and timer.drafts_timed == 1
+    assert seen[-1] == timer.costs
+    assert CostProfile(path).costs(300, timer, batch=4, most=2) == timer.costs
+    assert timer.calls == 3  # read back, not measured again
+    # Partial measurements are not taken for complete ones, nor kept on disk.
+    profile.costs(100, timer, batch=8, most=2)
+    assert 8 not in profile.measured_batches(100, timer.verify_rows)
+    assert "8x512" not in json.loads(path.read_text())
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,11 @@ MAX_PARKED_ROUNDS = 64
 # the first use of a shape compiles kernels, and a server's stalls show.
 SLOW_CALL_SECONDS = 1.0
 
+# The cost policy measures a batch size's costs on the live batch, this many
+# verify lengths a round, so that no round stops every request for long (a
+# whole measurement took 5-17 s at 12B on CUDA, compiling the new shapes).
+VERIFIES_MEASURED_PER_ROUND = 2
+
 
 @dataclass
 class Sequence:
@@ -239,6 +244,8 @@ class SpeculativeBatchGenerator:
         self._num_draft_caches = len(drafter.make_cache())
         self._cost_profile = None
         self._measuring = 0.0  # seconds spent measuring costs
+        # The last ``next()``'s parts: (kind, what, seconds).
+        self.phases = []
         # Every sequence's rounds, recent ones weighing more: a joining
         # sequence's first guess of its acceptance.
         self._recent = Acceptance(drafter.max_draft_tokens)
@@ -402,13 +409,13 @@ class SpeculativeBatchGenerator:
                 return generation_responses
 
     def _next(self):
-        start, phases = time.perf_counter(), []
+        start, measuring, phases = time.perf_counter(), self._measuring, []
         generation_responses = []
         if len(self._generation):
             tic = time.perf_counter()
             batch = len(self._generation)
             generation_responses = self._step()
-            phases.append((f"a round of {batch} sequences", time.perf_counter() - tic))
+            phases.append(("rounds", f"a round of {batch} sequences", time.perf_counter() - tic))
             self._counters.decode_time += time.perf_counter() - tic
             self._counters.generation_tokens += len(generation_responses)
             self._counters.generation_steps += 1
@@ -440,16 +447,19 @@ class SpeculativeBatchGenerator:
             generation_responses += self._first_step(started)
             self._joining.extend(started)
             self._join()
-            phases.append((f"the first step of {len(ready)}", time.perf_counter() - tic))
+            phases.append(("first steps", f"the first step of {len(ready)}", time.perf_counter() - tic))
         if len(self._prefill):
             tic = time.perf_counter()
             prompt_responses += self._prefill_chunk()
-            phases.append((f"a prefill chunk of {len(self._prefill)}", time.perf_counter() - tic))
+            phases.append(("prefill", f"a prefill chunk of {len(self._prefill)}", time.perf_counter() - tic))
+        if self._measuring > measuring:
+            phases.append(("measuring costs", "of which measuring costs", self._measuring - measuring))
+        self.phases = phases
         elapsed = time.perf_counter() - start
         if elapsed > SLOW_CALL_SECONDS:
             logging.debug(
                 "Slow batch step: %.2f s (%s)", elapsed,
-                ", ".join(f"{what} {seconds:.2f} s" for what, seconds in phases),
+                ", ".join(f"{what} {seconds:.2f} s" for _, what, seconds in phases),
             )
         return prompt_responses, generation_responses
 
@@ -574,7 +584,9 @@ class SpeculativeBatchGenerator:
         size is a power of two (or nothing is known yet) and kept on disk per
         size and depth bucket; other sizes interpolate between the sizes
         measured, so a batch that shrinks request by request does not stop
-        to measure at every size."""
+        to measure at every size. A measurement spreads over rounds, a few
+        verifies each; meanwhile the sizes measured stand in, or, with none,
+        the part measured."""
         if self._cost_profile is None:
             timer = RoundTimer(
                 self.model,
@@ -591,9 +603,10 @@ class SpeculativeBatchGenerator:
             return measured[batch]
         if batch & (batch - 1) == 0 or not measured:
             tic = time.perf_counter()
-            costs = profile.costs(depth, timer, batch)
+            costs = profile.costs(depth, timer, batch, most=VERIFIES_MEASURED_PER_ROUND)
             self._measuring += time.perf_counter() - tic
-            return costs
+            if len(costs.verify) == timer.verify_rows or not measured:
+                return costs  # a part: the policy verifies no more than it covers
         return interpolate(measured, batch)
 
     def _anchors(self) -> mx.array:

@@ -126,12 +126,12 @@ class RoundTimer:
         text = json.dumps(identity, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
-    def __call__(self, tokens: Optional[Iterable[int]] = None) -> RoundCosts:
-        """Costs of a draft and of verifying ``1, 2, ...`` tokens (by default
-        up to ``verify_rows``; ``tokens`` must count up from 1)."""
+    def __call__(self, tokens: Optional[Iterable[int]] = None, draft: bool = True) -> RoundCosts:
+        """Costs of a draft (unless not ``draft``: 0) and of verifying each
+        of ``tokens`` tokens (by default ``1, 2, ...`` up to ``verify_rows``)."""
         tokens = range(1, self.verify_rows + 1) if tokens is None else tokens
         return RoundCosts(
-            draft=median_seconds(self.draft),
+            draft=median_seconds(self.draft) if draft else 0.0,
             verify=[median_seconds(partial(self.verify, n)) for n in tokens],
         )
 
@@ -177,6 +177,7 @@ class CostProfile:
         self.path = path
         self.max_age = max_age
         self.entries = self._read()
+        self._partial = {}  # entry key -> the RoundCosts measured so far
 
     def _read(self) -> dict:
         try:
@@ -213,14 +214,30 @@ class CostProfile:
             and 0 <= time.time() - measured_at <= self.max_age
         )
 
-    def costs(self, depth: int, timer: RoundTimer, batch: Optional[int] = None) -> RoundCosts:
+    def costs(
+        self, depth: int, timer: RoundTimer, batch: Optional[int] = None,
+        most: Optional[int] = None,
+    ) -> RoundCosts:
         """The costs at ``depth`` (for rounds of ``batch`` sequences, when the
         profile is a batch generator's), measured with ``timer`` when this
-        profile has none (or only stale or malformed ones) for that bucket."""
+        profile has none (or only stale or malformed ones) for that bucket.
+
+        With ``most``, a call measures at most that many verifies (and the
+        draft with the first of them) and returns what is measured so far,
+        its ``verify`` short of ``timer.verify_rows`` until the rest are: a
+        server measures across rounds instead of stopping every request for
+        the whole measurement."""
         key = _entry_key(depth, batch)
         entry = self.entries.get(key)
         if not self._usable(entry, timer.verify_rows):
-            measured = timer()
+            so_far = self._partial.pop(key, None)
+            start = len(so_far.verify) + 1 if so_far else 1
+            end = timer.verify_rows if most is None else min(start + most - 1, timer.verify_rows)
+            part = timer(range(start, end + 1), draft=so_far is None)
+            measured = part if so_far is None else RoundCosts(so_far.draft, so_far.verify + part.verify)
+            if len(measured.verify) < timer.verify_rows:
+                self._partial[key] = measured
+                return measured
             entry = dict(
                 draft=measured.draft,
                 verify=measured.verify,

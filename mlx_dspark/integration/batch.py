@@ -21,40 +21,42 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
     0.64-0.88x the speed of rounds read one by one (BENCHMARKS.md).
 
     Every ``LOAD_LOG_SECONDS`` while busy it logs (DEBUG) how the generation
-    thread's time split between ``next()`` and the server's own work on the
-    responses between calls (detokenizing, streaming, prompt caching)."""
+    thread's time split between ``next()`` (rounds, first steps, prefill,
+    measuring costs) and the server's own work on the responses between
+    calls (detokenizing, streaming, prompt caching)."""
 
     LOAD_LOG_SECONDS = 10.0
 
     def __init__(self, model, drafter, **kwargs):
         kwargs.setdefault("pipeline", False)
         super().__init__(model, drafter, **kwargs)
-        self._load = {"since": None, "returned": None, "inside": 0.0, "between": 0.0, "calls": 0, "tokens": 0}
+        self._load = self._fresh_load(None)
+        self._returned = None  # when next() last returned
+
+    @staticmethod
+    def _fresh_load(since):
+        return {"since": since, "inside": 0.0, "between": 0.0, "calls": 0, "tokens": 0, "parts": {}}
 
     def next(self):
         load, start = self._load, time.perf_counter()
-        if load["returned"] is not None and start - load["returned"] < 1.0:
-            load["between"] += start - load["returned"]  # longer: the server was idle
+        if self._returned is not None and start - self._returned < 1.0:
+            load["between"] += start - self._returned  # longer: the server was idle
         prompt_responses, generation_responses = super().next()
-        load["returned"] = end = time.perf_counter()
+        self._returned = end = time.perf_counter()
         load["inside"] += end - start
         load["calls"] += 1
         load["tokens"] += len(generation_responses)
+        for kind, _, seconds in self.phases:
+            load["parts"][kind] = load["parts"].get(kind, 0.0) + seconds
         load["since"] = load["since"] or start
-        if end - load["since"] >= self.LOAD_LOG_SECONDS:
-            window = end - load["since"]
+        window = end - load["since"]
+        if window >= self.LOAD_LOG_SECONDS:
             logging.debug(
-                "Batch generator, last %.1f s: %d calls, %d tokens; %.0f%% in next(), "
+                "Batch generator, last %.1f s: %d calls, %d tokens; %.0f%% in next() (%s), "
                 "%.0f%% in the server between calls",
-                window, load["calls"], load["tokens"],
-                100 * load["inside"] / window, 100 * load["between"] / window,
+                window, load["calls"], load["tokens"], 100 * load["inside"] / max(window, 1e-9),
+                ", ".join(f"{kind} {100 * t / max(window, 1e-9):.0f}%" for kind, t in load["parts"].items()),
+                100 * load["between"] / max(window, 1e-9),
             )
-            load.update(since=end, inside=0.0, between=0.0, calls=0, tokens=0)
+            self._load = self._fresh_load(end)
         return prompt_responses, generation_responses
-
-    def insert_segments(self, segments, *args, **kwargs):
-        slot, local.inserting = getattr(local, "inserting", None), None
-        if slot is not None and len(segments) == 1:
-            slot.stats = SpeculativeStats(self.drafter.name, self.drafter.block_size)
-            kwargs.update(num_draft_tokens=[slot.num_draft_tokens], stats=[slot.stats])
-        return super().insert_segments(segments, *args, **kwargs)
