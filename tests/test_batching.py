@@ -1323,9 +1323,11 @@ def test_the_cost_policy_measures_only_at_powers_of_two(monkeypatch, tmp_path):
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
     measured = []
 
-    def fake_measurement(timer):
-        measured.append(len(timer_batch()))
-        return RoundCosts(draft=0.001, verify=[0.01 * (1 + 0.1 * n) for n in range(5)])
+    def fake_measurement(timer, tokens=None, draft=True):
+        tokens = range(1, 6) if tokens is None else tokens
+        if draft:  # a measurement starts (it spreads over rounds)
+            measured.append(len(timer_batch()))
+        return RoundCosts(draft=0.001 if draft else 0.0, verify=[0.01 * (1 + 0.1 * (n - 1)) for n in tokens])
 
     model, drafter = trained("gemma4")
     generator = SpeculativeBatchGenerator(model, drafter, prefill_batch_size=8)

@@ -60,3 +60,10 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
             )
             self._load = self._fresh_load(end)
         return prompt_responses, generation_responses
+
+    def insert_segments(self, segments, *args, **kwargs):
+        slot, local.inserting = getattr(local, "inserting", None), None
+        if slot is not None and len(segments) == 1:
+            slot.stats = SpeculativeStats(self.drafter.name, self.drafter.block_size)
+            kwargs.update(num_draft_tokens=[slot.num_draft_tokens], stats=[slot.stats])
+        return super().insert_segments(segments, *args, **kwargs)
