@@ -409,9 +409,12 @@ def test_the_servers_generator_logs_its_slow_calls_and_where_its_time_went(monke
     model, drafter = trained("gemma4")
     generator = ServerBatchGenerator(model, drafter, policy=FixedPolicy())
     generator.insert([[5, 6, 7, 8, 9], [10, 20, 30]], max_tokens=[6, 6])
+    kinds = []
     with caplog.at_level(logging.DEBUG):
         for _ in range(4):
             generator.next()
+            kinds.append([kind for kind, _, _ in generator.phases])
+    assert kinds == [["prefill"], ["first steps"], ["rounds"], ["rounds"]]
     slow = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Slow batch step")]
     load = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Batch generator, last")]
     assert len(slow) == len(load) == 4
@@ -420,6 +423,28 @@ def test_the_servers_generator_logs_its_slow_calls_and_where_its_time_went(monke
     assert "a round of 2 sequences" in slow[2]
     assert all("% in the server between calls" in line for line in load)
     assert "% in next() (prefill " in load[0] and "% in next() (rounds " in load[2]
+
+
+def test_the_servers_load_log_counts_the_servers_work_not_its_idle_time(monkeypatch):
+    """The load log's split: time inside ``next()`` by part, and time
+    between calls, except gaps of a second or more (the server idle)."""
+    from mlx_dspark.integration import batch as server_batch
+
+    monkeypatch.setattr(ServerBatchGenerator, "LOAD_LOG_SECONDS", 1e9)
+    clock = iter([0.0, 1.0, 1.1, 2.0, 7.0, 8.0, 8.3, 9.0])
+    monkeypatch.setattr(server_batch, "time", type("Clock", (), {"perf_counter": lambda: next(clock)}))
+    model, drafter = trained("gemma4")
+    generator = ServerBatchGenerator(model, drafter, policy=FixedPolicy())
+    generator.insert([[5, 6, 7, 8, 9], [10, 20, 30]], max_tokens=[6, 6])
+    parts = {}
+    for _ in range(4):
+        generator.next()
+        for kind, _, seconds in generator.phases:
+            parts[kind] = parts.get(kind, 0.0) + seconds
+    load = generator._load
+    assert load["inside"] == pytest.approx(1.0 + 0.9 + 1.0 + 0.7)
+    assert load["between"] == pytest.approx(0.1 + 0.3)  # not the 5 s gap
+    assert load["calls"] == 4 and load["parts"] == pytest.approx(parts)
 
 
 def test_the_cost_policy_measures_a_few_verify_lengths_a_round(monkeypatch, tmp_path):
@@ -431,7 +456,7 @@ def test_the_cost_policy_measures_a_few_verify_lengths_a_round(monkeypatch, tmp_
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
     model, drafter = trained("gemma4")
     generator = ServerBatchGenerator(model, drafter)  # the default, cost policy
-    timed, drafts = [], []
+    timed, drafts, measuring_phases = [], [], []
     time_verify, choose = generator._time_verify, generator._choose_drafts
     monkeypatch.setattr(generator, "_time_verify", lambda n: timed.append(n) or time_verify(n))
     monkeypatch.setattr(generator, "_choose_drafts", lambda rows: drafts.append(choose(rows)) or drafts[-1])
@@ -445,6 +470,9 @@ def test_the_cost_policy_measures_a_few_verify_lengths_a_round(monkeypatch, tmp_
         finished = any(r.finish_reason for r in responses)
         if len(drafts) > rounds:
             per_round.append((sorted(set(timed[mark:])), max(drafts[-1])))
+        measured = any(kind == "measuring costs" for kind, _, _ in generator.phases)
+        measuring_phases.append(measured == (len(timed) > mark))
+    assert all(measuring_phases)  # the time measuring shows where it was spent
     rows = drafter.max_draft_tokens + 1
     measuring = [(lengths, k) for lengths, k in per_round if lengths]
     assert [lengths for lengths, _ in measuring] == [
@@ -452,6 +480,41 @@ def test_the_cost_policy_measures_a_few_verify_lengths_a_round(monkeypatch, tmp_
     ]
     assert all(k < lengths[-1] for lengths, k in measuring)
     assert tokens == plain_greedy(model, prompt, 24)
+
+
+def test_a_batch_size_being_measured_borrows_the_complete_sizes_costs(monkeypatch, tmp_path):
+    """While a new batch size's costs are measured a few lengths a round, a
+    batch size measured in full stands in for it (not the few lengths
+    measured so far, which would cap the drafts for no reason); with only
+    measurements under way, their parts stand in, and no size between
+    powers of two starts one of its own."""
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    model, drafter = trained("gemma4")
+    generator = SpeculativeBatchGenerator(model, drafter)
+    full = RoundCosts(0.001, [0.01 * (1 + 0.1 * n) for n in range(drafter.max_draft_tokens + 1)])
+    timed = []
+
+    def fake_measurement(timer, tokens=None, draft=True):
+        tokens = list(range(1, timer.verify_rows + 1) if tokens is None else tokens)
+        timed.append(tokens)
+        return RoundCosts(full.draft if draft else 0.0, [full.verify[n - 1] for n in tokens])
+
+    monkeypatch.setattr(RoundTimer, "__call__", fake_measurement)
+    generator.insert([[5 + i, 6, 7] for i in range(4)], max_tokens=[8] * 4)
+    while len(generator._generation) < 4:
+        generator.next()
+    depth = 8
+    first = generator.measured_costs(4, depth)  # nothing known: a part
+    assert len(first.verify) == 2 and timed == [[1, 2]]
+    assert generator.measured_costs(3, depth).verify == first.verify  # the part stands in
+    assert len(timed) == 1
+    for _ in range(3):
+        generator.measured_costs(4, depth)  # completes size 4
+    assert generator.measured_costs(4, depth) == full
+    timed.clear()
+    borrowed = generator.measured_costs(2, depth)
+    assert timed == [[1, 2]]  # size 2's measurement has started
+    assert borrowed == full  # size 4's complete costs stand in meanwhile
 
 
 def test_rounds_in_which_nobody_leaves_do_not_copy_the_batchs_caches(monkeypatch):

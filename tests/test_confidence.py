@@ -492,6 +492,13 @@ def test_a_profile_measured_a_few_verifies_at_a_time_is_the_whole_measurement(tm
     profile.costs(100, timer, batch=8, most=2)
     assert 8 not in profile.measured_batches(100, timer.verify_rows)
     assert "8x512" not in json.loads(path.read_text())
+    assert profile.partial_batches(100) == {8: RoundCosts(0.002, [0.01, 0.011])}
+    assert profile.partial_batches(600) == {}
+    # Once an entry goes stale it is measured again from the start, draft included.
+    profile.max_age = -1.0
+    timer.verified, timer.drafts_timed = [], 0
+    again = profile.costs(100, timer, batch=4, most=2)
+    assert timer.verified == [1, 2] and timer.drafts_timed == 1 and len(again.verify) == 2
 
 
 @pytest.mark.parametrize(

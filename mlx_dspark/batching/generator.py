@@ -586,7 +586,7 @@ class SpeculativeBatchGenerator:
         measured, so a batch that shrinks request by request does not stop
         to measure at every size. A measurement spreads over rounds, a few
         verifies each; meanwhile the sizes measured stand in, or, with none,
-        the part measured."""
+        the parts measured so far."""
         if self._cost_profile is None:
             timer = RoundTimer(
                 self.model,
@@ -601,13 +601,16 @@ class SpeculativeBatchGenerator:
         measured = profile.measured_batches(depth, timer.verify_rows)
         if batch in measured:
             return measured[batch]
-        if batch & (batch - 1) == 0 or not measured:
+        under_way = profile.partial_batches(depth)
+        if batch & (batch - 1) == 0 or not (measured or under_way):
             tic = time.perf_counter()
             costs = profile.costs(depth, timer, batch, most=VERIFIES_MEASURED_PER_ROUND)
             self._measuring += time.perf_counter() - tic
             if len(costs.verify) == timer.verify_rows or not measured:
                 return costs  # a part: the policy verifies no more than it covers
-        return interpolate(measured, batch)
+        # Parts of measurements stand in only while nothing is complete;
+        # they cover the lengths all of them have measured.
+        return interpolate(measured or under_way, batch)
 
     def _anchors(self) -> mx.array:
         return mx.array([s.anchor for s in self._generation.sequences], mx.uint32)

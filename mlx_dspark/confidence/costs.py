@@ -257,6 +257,16 @@ class CostProfile:
                 found[int(batch)] = RoundCosts(entry["draft"], entry["verify"])
         return found
 
+    def partial_batches(self, depth: int) -> dict:
+        """``{batch: RoundCosts}`` of the measurements at ``depth`` under way
+        (see ``costs``' ``most``)."""
+        found = {}
+        for key, costs in self._partial.items():
+            batch, _, bucket = key.partition("x")
+            if bucket == str(depth_bucket(depth)):
+                found[int(batch)] = costs
+        return found
+
 
 def _entry_key(depth: int, batch: Optional[int]) -> str:
     bucket = str(depth_bucket(depth))
