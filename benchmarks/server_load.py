@@ -15,7 +15,10 @@ with the time it ended, to find in the servers' logs (``--logs``).
 Waves end with their slowest request, so a batch that finishes its requests
 at different times pays for its tail in every wave. ``--sustain S`` measures
 the steady state instead: each of the N clients sends requests back to back
-for S seconds.
+for S seconds. On MLX-CUDA some shapes compile kernels for seconds the first
+time a machine meets them (kept on disk after that), which favours the
+servers started later; ``--prime`` runs every server at every concurrency
+once before measuring.
 
 Default: the bundled tiny Gemma-4 pair on this machine, real acceptance.
 With ``--replay-tau`` the servers replay that mean acceptance length
@@ -212,6 +215,11 @@ def main():
     )
     parser.add_argument("--replay-tau", type=float, help="replayed acceptance (random-weight pairs)")
     parser.add_argument("--replay-block", type=int, default=7, help="the drafter's block size")
+    parser.add_argument(
+        "--prime", action="store_true",
+        help="before measuring, every server runs one wave at every concurrency, so "
+        "that kernels compiled on first use (MLX-CUDA) are compiled for every mode alike",
+    )
     parser.add_argument("--logs", help="keep the servers' logs in this folder")
     parser.add_argument("--log-level", default="INFO", help="the servers' --log-level (DEBUG: the batch policy's decisions)")
     parser.add_argument("--json", help="also write the results here")
@@ -234,6 +242,10 @@ def main():
             for mode in args.modes
         }
         try:
+            if args.prime:
+                for n in progress(args.concurrency, desc="priming"):
+                    for mode, server in servers.items():
+                        wave(server, n, -2, args.max_tokens, args.prompt_words)
             results = {}
             for n in args.concurrency:
                 for mode, server in servers.items():  # warm the caches and shapes
