@@ -447,13 +447,16 @@ class SpeculativeBatchGenerator:
             generation_responses += self._first_step(started)
             self._joining.extend(started)
             self._join()
-            phases.append(("first steps", f"the first step of {len(ready)}", time.perf_counter() - tic))
+            seconds = time.perf_counter() - tic
+            phases.append(("first steps", f"the first step of {len(ready)}", seconds))
         if len(self._prefill):
             tic = time.perf_counter()
             prompt_responses += self._prefill_chunk()
-            phases.append(("prefill", f"a prefill chunk of {len(self._prefill)}", time.perf_counter() - tic))
+            seconds = time.perf_counter() - tic
+            phases.append(("prefill", f"a prefill chunk of {len(self._prefill)}", seconds))
         if self._measuring > measuring:
-            phases.append(("measuring costs", "of which measuring costs", self._measuring - measuring))
+            seconds = self._measuring - measuring
+            phases.append(("measuring costs", "of which measuring costs", seconds))
         self.phases = phases
         elapsed = time.perf_counter() - start
         if elapsed > SLOW_CALL_SECONDS:

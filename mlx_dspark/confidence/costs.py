@@ -233,8 +233,9 @@ class CostProfile:
             so_far = self._partial.pop(key, None)
             start = len(so_far.verify) + 1 if so_far else 1
             end = timer.verify_rows if most is None else min(start + most - 1, timer.verify_rows)
-            part = timer(range(start, end + 1), draft=so_far is None)
-            measured = part if so_far is None else RoundCosts(so_far.draft, so_far.verify + part.verify)
+            measured = timer(range(start, end + 1), draft=so_far is None)
+            if so_far is not None:
+                measured = RoundCosts(so_far.draft, so_far.verify + measured.verify)
             if len(measured.verify) < timer.verify_rows:
                 self._partial[key] = measured
                 return measured

@@ -51,12 +51,13 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
         load["since"] = load["since"] or start
         window = end - load["since"]
         if window >= self.LOAD_LOG_SECONDS:
+            share = lambda seconds: 100 * seconds / max(window, 1e-9)  # noqa: E731
+            parts = ", ".join(f"{kind} {share(t):.0f}%" for kind, t in load["parts"].items())
             logging.debug(
                 "Batch generator, last %.1f s: %d calls, %d tokens; %.0f%% in next() (%s), "
                 "%.0f%% in the server between calls",
-                window, load["calls"], load["tokens"], 100 * load["inside"] / max(window, 1e-9),
-                ", ".join(f"{kind} {100 * t / max(window, 1e-9):.0f}%" for kind, t in load["parts"].items()),
-                100 * load["between"] / max(window, 1e-9),
+                window, load["calls"], load["tokens"], share(load["inside"]), parts,
+                share(load["between"]),
             )
             self._load = self._fresh_load(end)
         return prompt_responses, generation_responses
