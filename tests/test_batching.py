@@ -379,24 +379,37 @@ def test_pipelined_rounds_record_what_rounds_read_one_by_one_record():
     assert results[1][0][0] == plain_greedy(model, prompts[0], 40)
 
 
-def test_the_servers_generator_returns_tokens_with_no_round_in_flight():
-    """``mlx_lm.server`` reads every token's log-probability on the
-    generator's stream, where a round launched ahead would make each read
-    wait for it: the server's generator returns every round's tokens before
-    it launches the next, and they are the single stream's."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_the_servers_generator_hands_each_tokens_log_probability_read_with_its_round(temperature):
+    """``mlx_lm.server`` reads every token's log-probability
+    (``logprobs[token].item()``): the server's generator reads its rounds
+    one by one (no round in flight when it returns), and each response's
+    own token's log-probability is the one read with its round, so reading
+    it needs no array (no device operation), and equals its ``[V]`` array's;
+    ``top_logprobs`` (``-logprobs``, ``logprobs[indices]``) read the array.
+    At temperature 0 the tokens are the single stream's."""
     model, drafter = trained("gemma4")
+    samplers = [make_sampler(temperature), None]
     generator = ServerBatchGenerator(model, drafter, policy=FixedPolicy())
     prompts = [[5, 6, 7, 8, 9], [10, 20, 30]]
-    uids = generator.insert(prompts, max_tokens=[30, 30])
+    uids = generator.insert(prompts, max_tokens=[30, 30], samplers=samplers)
     tokens, finished = {uid: [] for uid in uids}, set()
     while len(finished) < len(uids):
         _, responses = generator.next()
         assert generator._in_flight is None
         for r in responses:
             tokens[r.uid].append(r.token)
+            without_array = copy.copy(r.logprobs)
+            without_array.array = None
+            read = without_array[r.token].item()
+            assert read == r.logprobs.array[r.token].item(), (r.uid, r.token)
+            top = [int(i) for i in mx.argpartition(-r.logprobs, kth=2)[:3].tolist()]
+            assert r.logprobs[top].tolist() == r.logprobs.array[mx.array(top)].tolist()
             if r.finish_reason:
                 finished.add(r.uid)
-    assert [tokens[uid] for uid in uids] == [plain_greedy(model, p, 30) for p in prompts]
+    assert tokens[uids[1]] == plain_greedy(model, prompts[1], 30)
+    if temperature == 0.0:
+        assert tokens[uids[0]] == plain_greedy(model, prompts[0], 30)
 
 
 def test_the_servers_generator_logs_its_slow_calls_and_where_its_time_went(monkeypatch, caplog):

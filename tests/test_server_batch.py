@@ -84,6 +84,34 @@ def test_concurrent_clients_get_the_stock_servers_responses(three_servers, clien
             )
 
 
+def log_probabilities(response):
+    return [
+        (entry["id"], entry["logprob"], [(t["id"], t["logprob"]) for t in entry.get("top_logprobs", [])])
+        for entry in response["choices"][0]["logprobs"]["content"]
+    ]
+
+
+def test_concurrent_clients_get_the_stock_servers_log_probabilities(three_servers):
+    """The batched server hands each token's log-probability, and the top
+    ones, as the stock server does (it reads its own token's with the round,
+    ``ServerBatchGenerator``)."""
+    batched, _, stock = three_servers
+    requests = [
+        {"prompt": f"w{7 * i + 5} w{11 * i + 9}", "max_tokens": 10 + i, "logprobs": True,
+         "top_logprobs": 3 * (i % 2)}
+        for i in range(6)
+    ]
+    expected = [log_probabilities(stock.post("/v1/completions", r)) for r in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        got = list(pool.map(lambda r: log_probabilities(batched.post("/v1/completions", r)), requests))
+    for want, have in zip(expected, got):
+        assert [(i, [t for t, _ in top]) for i, _, top in have] == [
+            (i, [t for t, _ in top]) for i, _, top in want
+        ]
+        values = lambda entries: [v for _, v, top in entries for v in [v] + [p for _, p in top]]  # noqa: E731
+        assert values(have) == pytest.approx(values(want), abs=1e-4)
+
+
 def test_the_batched_server_logs_each_requests_statistics(three_servers):
     batched, _, _ = three_servers
     with ThreadPoolExecutor(4) as pool:

@@ -541,13 +541,15 @@ class SpeculativeBatchGenerator:
             context = mx.array(s.tokens + last[b : b + 1], mx.uint32)
             s.tokens.append(last[b])
             log_probs = s.decoding.log_probs(out.logits[b, -1:], context)
-            firsts.append((s.decoding.next_token(log_probs), log_probs[0]))
+            token = s.decoding.next_token(log_probs)
+            firsts.append((token, log_probs[0], log_probs[0, token]))
         mx.eval(firsts)
         finished = []
-        for b, (s, (token, log_probs)) in enumerate(zip(rows.sequences, firsts)):
+        for b, (s, (token, log_probs, token_log_prob)) in enumerate(zip(rows.sequences, firsts)):
             s.anchor = token.item()
             s.emitted = 1
             reason = self._finish_reason(s, s.anchor)
+            log_probs = (log_probs, token_log_prob.item())
             responses.append(self._response(rows, b, s, s.anchor, log_probs, reason))
             if reason:
                 finished.append(b)
@@ -563,16 +565,23 @@ class SpeculativeBatchGenerator:
         return None
 
     def _response(self, rows, b, s, token, log_probs, reason):
+        """A generation response; ``log_probs``: the position's ``[V]``
+        log-probabilities and, read with the round, the token's own."""
         if reason and s.stats.rounds:
             logging.info("Speculative decoding: %s", s.stats.summary())
         return GenerationBatch.Response(
             uid=s.uid,
             token=token,
-            logprobs=log_probs,
+            logprobs=self._logprobs(token, *log_probs),
             finish_reason=reason,
             prompt_cache=rows.extract(b) if reason else None,
             all_tokens=list(s.tokens) if reason else None,
         )
+
+    def _logprobs(self, token: int, log_probs: mx.array, token_log_prob: float):
+        """What a response carries as its ``logprobs``: mlx-lm's ``[V]``
+        array."""
+        return log_probs
 
     def _choose_drafts(self, rows: Rows) -> List[int]:
         caps = [max(0, min(s.num_draft_tokens, s.remaining - 1)) for s in rows.sequences]
@@ -731,6 +740,7 @@ class SpeculativeBatchGenerator:
                 self._commit_parked()
         launched = Launched(
             sequences, drafts_per_row, proposal, log_probs, accepted, tokens,
+            token_log_probs=_log_probs_of(log_probs, tokens),
             anchors=mx.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0],
             took_in_parked=took_in_parked,
         )
@@ -768,6 +778,7 @@ class SpeculativeBatchGenerator:
         k = launched.k
         accepted = launched.accepted.tolist()
         tokens = launched.tokens.tolist()
+        token_log_probs = launched.token_log_probs.tolist()
         proposal = launched.proposal
         drafted = proposal.tokens.tolist() if k else [[] for _ in accepted]
         confidence = (
@@ -800,9 +811,8 @@ class SpeculativeBatchGenerator:
                 self._commit_parked()  # its caches are handed back
             for i, t in enumerate(emitted):
                 last = i == len(emitted) - 1
-                responses.append(
-                    self._response(rows, b, s, t, launched.log_probs[b][i], reason if last else None)
-                )
+                log_probs = (launched.log_probs[b][i], token_log_probs[b][i])
+                responses.append(self._response(rows, b, s, t, log_probs, reason if last else None))
         rows.settle([k - a for a in accepted], reuse)
         return responses
 
@@ -879,6 +889,7 @@ class Launched:
     log_probs: Any  # row b's [n_b + 1, V] processed log-probabilities at [b]
     accepted: mx.array  # [B]
     tokens: mx.array  # [B, k + 1]
+    token_log_probs: mx.array  # [B, k + 1]: each of ``tokens``' log-probability
     anchors: mx.array  # [B]: the next round's anchors
     took_in_parked: bool = False  # the drafter took in parked rounds' taps too
 
@@ -890,7 +901,22 @@ class Launched:
         """What the host reads: the verdict, and the drafts and confidences
         for the statistics."""
         proposal = [self.proposal.tokens, self.proposal.confidence] if self.k else []
-        return [self.accepted, self.tokens, *(x for x in proposal if x is not None)]
+        verdict = [self.accepted, self.tokens, self.token_log_probs]
+        return verdict + [x for x in proposal if x is not None]
+
+
+def _log_probs_of(log_probs, tokens: mx.array) -> mx.array:
+    """``[B, k + 1]``: row ``b``'s log-probability of each of its ``tokens``
+    (``log_probs``: ``[B, k + 1, V]``, or row ``b``'s ``[n_b + 1, V]`` at
+    ``[b]``; past ``n_b``, zeros)."""
+    indices = tokens[..., None].astype(mx.int32)
+    if isinstance(log_probs, mx.array):
+        return mx.take_along_axis(log_probs, indices, axis=-1)[..., 0]
+    width = tokens.shape[1]
+    return mx.stack([
+        mx.pad(mx.take_along_axis(lp, indices[b, : lp.shape[0]], axis=-1)[:, 0], (0, width - lp.shape[0]))
+        for b, lp in enumerate(log_probs)
+    ])
 
 
 def _batch_draw(draws):

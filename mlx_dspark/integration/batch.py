@@ -3,6 +3,8 @@
 import logging
 import time
 
+import mlx.core as mx
+
 from ..batching.generator import SpeculativeBatchGenerator
 from ..speculative.stats import SpeculativeStats
 from .dispatch import local
@@ -14,11 +16,13 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
     request right after putting its generation context on the request's
     response queue, which hands the slot over (``server._ReportingQueue``).
 
-    Rounds are read one by one, not pipelined: the server reads every token's
-    log-probability on the generator's stream (``logprobs[token].item()``),
-    and behind a round launched ahead that read waits for the whole round.
-    Driven that way on an H200 at 12B shapes, pipelined rounds ran at
-    0.64-0.88x the speed of rounds read one by one (BENCHMARKS.md).
+    Rounds are read one by one, not pipelined (``PIPELINE``): over HTTP on an
+    H200 at 12B shapes, pipelined rounds served 0.64-0.95x the tokens/s of
+    rounds read one by one, even with the server's reads kept off the device
+    (BENCHMARKS.md). The server reads every token's log-probability
+    (``logprobs[token].item()``); each response's ``logprobs`` holds its own
+    token's as read with the round (``ReadLogProbs``), so that read is no
+    device operation and synchronisation of its own.
 
     Every ``LOAD_LOG_SECONDS`` while busy it logs (DEBUG) how the generation
     thread's time split between ``next()`` (rounds, first steps, prefill,
@@ -26,9 +30,10 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
     calls (detokenizing, streaming, prompt caching)."""
 
     LOAD_LOG_SECONDS = 10.0
+    PIPELINE = False
 
     def __init__(self, model, drafter, **kwargs):
-        kwargs.setdefault("pipeline", False)
+        kwargs.setdefault("pipeline", self.PIPELINE)
         super().__init__(model, drafter, **kwargs)
         self._load = self._fresh_load(None)
         self._returned = None  # when next() last returned
@@ -68,3 +73,26 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
             slot.stats = SpeculativeStats(self.drafter.name, self.drafter.block_size)
             kwargs.update(num_draft_tokens=[slot.num_draft_tokens], stats=[slot.stats])
         return super().insert_segments(segments, *args, **kwargs)
+
+    def _logprobs(self, token, log_probs, token_log_prob):
+        return ReadLogProbs(log_probs, token, token_log_prob)
+
+
+class ReadLogProbs:
+    """A response's ``[V]`` log-probabilities as ``mlx_lm.server`` reads
+    them: ``[token]`` (the response's own token) is the value read with the
+    round, so reading it waits for nothing on the device; anything else
+    (``top_logprobs``) is the array's."""
+
+    def __init__(self, log_probs: mx.array, token: int, token_log_prob: float):
+        self.array = log_probs
+        self._token = token
+        self._value = mx.array(token_log_prob, log_probs.dtype)
+
+    def __getitem__(self, index):
+        if isinstance(index, int) and index == self._token:
+            return self._value
+        return self.array[index]
+
+    def __neg__(self):
+        return -self.array
