@@ -47,8 +47,11 @@ MODES = {
     "stock": [],
     "batched": ["--draft-model", "{draft}", "--draft-batch-policy", "cost"],
     "batched-fixed": ["--draft-model", "{draft}", "--draft-batch-policy", "fixed"],
+    "batched-fixed-pipelined": ["--draft-model", "{draft}", "--draft-batch-policy", "fixed"],
     "one-at-a-time": ["--draft-model", "{draft}", "--draft-batch-policy", "off"],
 }
+# Rounds pipelined, against the server's rounds read one by one.
+MODE_ENV = {"batched-fixed-pipelined": {"MLX_DSPARK_SERVER_PIPELINE": "1"}}
 
 
 def free_port() -> int:
@@ -61,7 +64,7 @@ class Server:
     def __init__(self, model, flags, log_dir, name):
         self.port = free_port()
         self.log = Path(log_dir) / f"{name}.log"
-        env = dict(os.environ)
+        env = {**os.environ, **MODE_ENV.get(name, {})}
         env.pop("MLX_DSPARK_DISABLE", None)
         self.process = subprocess.Popen(
             [
