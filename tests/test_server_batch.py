@@ -28,18 +28,21 @@ def request(i):
     return endpoint, body
 
 
-def answer(server, endpoint, body):
+def post(server, endpoint, body):
     # mlx-lm's HTTP server listens with socketserver's backlog of 5: with
     # more clients connecting at once, this machine resets some connections
     # before the request is read (the stock server too). Such a request
     # was never served, so it is sent again.
     for attempt in range(5):
         try:
-            response = server.post(endpoint, body)
-            break
+            return server.post(endpoint, body)
         except ConnectionResetError:
             if attempt == 4:
                 raise
+
+
+def answer(server, endpoint, body):
+    response = post(server, endpoint, body)
     if body.get("stream"):
         return streamed_text(response), response[-1]["usage"]
     return text_of(response), response["usage"]
@@ -93,8 +96,9 @@ def log_probabilities(response):
 
 def test_concurrent_clients_get_the_stock_servers_log_probabilities(three_servers):
     """The batched server hands each token's log-probability, and the top
-    ones, as the stock server does (it reads its own token's with the round,
-    ``ServerBatchGenerator``)."""
+    ones, as the stock server does: without ``top_logprobs`` each token's
+    own, which it reads with the round (``ServerBatchGenerator``); with them
+    (mlx-lm then reports the top one as the token's), the ``[V]`` array's."""
     batched, _, stock = three_servers
     requests = [
         {"prompt": f"w{7 * i + 5} w{11 * i + 9}", "max_tokens": 10 + i, "logprobs": True,
@@ -103,7 +107,7 @@ def test_concurrent_clients_get_the_stock_servers_log_probabilities(three_server
     ]
     expected = [log_probabilities(stock.post("/v1/completions", r)) for r in requests]
     with ThreadPoolExecutor(len(requests)) as pool:
-        got = list(pool.map(lambda r: log_probabilities(batched.post("/v1/completions", r)), requests))
+        got = list(pool.map(lambda r: log_probabilities(post(batched, "/v1/completions", r)), requests))
     for want, have in zip(expected, got):
         assert [(i, [t for t, _ in top]) for i, _, top in have] == [
             (i, [t for t, _ in top]) for i, _, top in want

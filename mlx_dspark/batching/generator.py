@@ -100,6 +100,9 @@ class Rows:
     sequences: List[Sequence] = field(default_factory=list)
     target_cache: List[BatchRollbackKVCache] = field(default_factory=list)
     draft_cache: List[BatchRollbackKVCache] = field(default_factory=list)
+    # Rows joined or left, or caches packed, since the last round launched:
+    # copies of every cache that the next round's evaluation does.
+    reshaped: bool = False
 
     def __len__(self):
         return len(self.sequences)
@@ -108,6 +111,7 @@ class Rows:
         return self.target_cache + self.draft_cache
 
     def extend(self, other: "Rows") -> None:
+        self.reshaped = self.reshaped or bool(other.sequences)
         if not self.sequences:
             self.target_cache, self.draft_cache = other.target_cache, other.draft_cache
         elif other.sequences:
@@ -118,6 +122,7 @@ class Rows:
     def keep(self, indices: List[int]) -> None:
         if indices == list(range(len(self.sequences))):
             return  # every row stays: filtering would copy every cache
+        self.reshaped = True
         self.sequences = [self.sequences[i] for i in indices]
         if not indices:
             self.target_cache, self.draft_cache = [], []
@@ -163,8 +168,10 @@ class Rows:
         return [c for c in self.caches() if c.reclaimable() >= max(waste, c.size() // 4)]
 
     def compact(self, waste: int) -> None:
-        for c in self.wasteful(waste):
+        wasteful = self.wasteful(waste)
+        for c in wasteful:
             c.compact()
+        self.reshaped = self.reshaped or bool(wasteful)
 
 
 class SpeculativeBatchGenerator:
@@ -185,9 +192,10 @@ class SpeculativeBatchGenerator:
             padding) before the caches are packed.
         pipeline: Build each round while the one before it runs on the
             device, when the batch allows it (``_can_overlap``), as mlx-lm's
-            ``BatchGenerator`` builds its next step. Off for a caller that
-            reads each response's ``logprobs`` on ``stream`` as it comes
-            (``mlx_lm.server``): each read would wait for the round ahead.
+            ``BatchGenerator`` builds its next step. A caller reading each
+            response's ``logprobs`` array as it comes would wait for the
+            round ahead on each read (``mlx_lm.server``'s generator reads
+            rounds one by one, see ``integration.batch``).
         The rest are ``BatchGenerator``'s.
     """
 
@@ -360,10 +368,11 @@ class SpeculativeBatchGenerator:
     def extract_cache(self, uids):
         """``{uid: (caches, tokens)}``, single-sequence caches holding
         exactly ``tokens``."""
-        self._commit_parked()
         results = {}
         for uid in uids:
             rows, where = self._where(uid)
+            if rows is self._generation:
+                self._commit_parked()  # its drafter caches take their taps
             if rows is not None:
                 results[uid] = (rows.extract(where), list(rows.sequences[where].tokens))
             elif where is not None:
@@ -372,7 +381,8 @@ class SpeculativeBatchGenerator:
 
     def remove(self, uids, return_prompt_caches=False):
         caches = self.extract_cache(uids) if return_prompt_caches else {}
-        self._commit_parked()
+        if any(self._where(uid)[0] is self._generation for uid in uids):
+            self._commit_parked()  # before the rows change
         uids = set(uids)
         self._pending = deque(s for s in self._pending if s.uid not in uids)
         for rows in self._groups():
@@ -644,8 +654,8 @@ class SpeculativeBatchGenerator:
     def _step(self):
         """Read one round; before that, launch the next one when nothing
         has to wait for the host (see ``_can_overlap``). The policy learns
-        how long the round took (measuring costs aside), unless the drafter
-        took in parked rounds' taps in it."""
+        how long the round took (measuring costs aside), unless it also did
+        deferred work (``Launched.deferred``)."""
         tic, measuring = time.perf_counter(), self._measuring
         if self._in_flight is None:
             self._in_flight = self._launch(self._anchors())
@@ -655,8 +665,11 @@ class SpeculativeBatchGenerator:
         responses = self._collect(self._in_flight, reuse=ahead is None)
         observe = getattr(self.policy, "observe", None)
         if observe is not None:
-            # The drafter's deferred work says nothing of what a round costs.
-            deferred = self._in_flight.took_in_parked or (ahead is not None and ahead.took_in_parked)
+            # The drafter's deferred work, copies of caches for rows that
+            # joined or left, and the caches of finished rows handed back
+            # say nothing of what a round costs.
+            handed_back = any(r.finish_reason for r in responses)
+            deferred = handed_back or self._in_flight.deferred or (ahead is not None and ahead.deferred)
             elapsed = time.perf_counter() - tic - (self._measuring - measuring)
             observe(None if deferred else elapsed)
         self._in_flight = ahead
@@ -700,6 +713,7 @@ class SpeculativeBatchGenerator:
         k = max(drafts_per_row)
         contexts = [s.context() for s in sequences]
         proposal, took_in_parked = None, False
+        reshaped, rows.reshaped = rows.reshaped, False
         if k:
             took_in_parked = bool(self._parked_taps)
             self._commit_parked()
@@ -743,6 +757,7 @@ class SpeculativeBatchGenerator:
             token_log_probs=_log_probs_of(log_probs, tokens),
             anchors=mx.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0],
             took_in_parked=took_in_parked,
+            reshaped=reshaped,
         )
         for s, n in zip(sequences, drafts_per_row):
             s.in_flight += n + 1
@@ -886,12 +901,18 @@ class Launched:
     sequences: List[Sequence]
     drafts_per_row: List[int]
     proposal: Any  # the drafter's Proposal, None in a round without drafts
-    log_probs: Any  # row b's [n_b + 1, V] processed log-probabilities at [b]
+    log_probs: Any  # row b's processed log-probabilities at [b], [n_b + 1 or k + 1, V]
     accepted: mx.array  # [B]
     tokens: mx.array  # [B, k + 1]
     token_log_probs: mx.array  # [B, k + 1]: each of ``tokens``' log-probability
     anchors: mx.array  # [B]: the next round's anchors
     took_in_parked: bool = False  # the drafter took in parked rounds' taps too
+    reshaped: bool = False  # it also copied caches for rows joined or left
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the round also did work deferred from earlier ones."""
+        return self.took_in_parked or self.reshaped
 
     @property
     def k(self) -> int:
@@ -907,8 +928,8 @@ class Launched:
 
 def _log_probs_of(log_probs, tokens: mx.array) -> mx.array:
     """``[B, k + 1]``: row ``b``'s log-probability of each of its ``tokens``
-    (``log_probs``: ``[B, k + 1, V]``, or row ``b``'s ``[n_b + 1, V]`` at
-    ``[b]``; past ``n_b``, zeros)."""
+    (``log_probs``: ``[B, k + 1, V]``, or row ``b``'s ``[n_b + 1, V]`` or
+    ``[k + 1, V]`` at ``[b]``, zeros past its own)."""
     indices = tokens[..., None].astype(mx.int32)
     if isinstance(log_probs, mx.array):
         return mx.take_along_axis(log_probs, indices, axis=-1)[..., 0]

@@ -87,11 +87,11 @@ class ReadLogProbs:
     def __init__(self, log_probs: mx.array, token: int, token_log_prob: float):
         self.array = log_probs
         self._token = token
-        self._value = mx.array(token_log_prob, log_probs.dtype)
+        self._value = (token_log_prob, log_probs.dtype)
 
     def __getitem__(self, index):
         if isinstance(index, int) and index == self._token:
-            return self._value
+            return mx.array(*self._value)
         return self.array[index]
 
     def __neg__(self):
