@@ -1328,6 +1328,48 @@ def test_policy_tries_a_plain_round_when_it_never_ran_one():
     assert choices[15] == choices[31] == choices[47] == 0 and choices.count(0) == 3
 
 
+def test_a_pipelined_round_the_prompts_waited_for_is_not_timed_for_the_policy(monkeypatch):
+    """Pipelined, a new prompt's prefill chunks and first step evaluate
+    behind the round in flight, so they wait for it and reading it then
+    takes no time: that round is not timed for the policy (it would look
+    far cheaper than rounds are). The tokens are the single streams'."""
+    model, drafter = trained("gemma4")
+
+    class Recording(FixedPolicy):
+        observed = []
+
+        def observe(self, seconds):
+            self.observed.append(seconds)
+
+    policy = Recording()
+    generator = SpeculativeBatchGenerator(
+        model, drafter, policy=policy, pipeline=True, prefill_step_size=4
+    )
+    read, behind = [], set()
+    collect, prefill = generator._collect, generator._prefill_chunk
+    monkeypatch.setattr(generator, "_collect", lambda launched, reuse: (
+        read.append(launched), collect(launched, reuse))[1])
+    monkeypatch.setattr(generator, "_prefill_chunk", lambda: (
+        behind.add(id(generator._in_flight)), prefill())[1])
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 30))]
+    first = generator.insert(prompts[:1], max_tokens=[60])[0]
+    tokens = {first: []}
+    for _ in range(4):
+        for r in generator.next()[1]:
+            tokens[r.uid].append(r.token)
+    second = generator.insert(prompts[1:], max_tokens=[20])[0]
+    tokens[second] = []
+    while len(tokens[first]) < 60 or len(tokens[second]) < 20:
+        for r in generator.next()[1]:
+            tokens[r.uid].append(r.token)
+    waited = [i for i, launched in enumerate(read) if id(launched) in behind]
+    assert len(waited) >= 3  # the second prompt's chunks ran behind rounds
+    assert all(policy.observed[i] is None for i in waited)
+    assert [tokens[first], tokens[second]] == [
+        plain_greedy(model, p, n) for p, n in zip(prompts, (60, 20))
+    ]
+
+
 def test_the_generator_reports_each_rounds_time_to_the_policy():
     """Every round read is reported once, in the order chosen, pipelined or
     not: the policy learns from realised times, all but those of the first

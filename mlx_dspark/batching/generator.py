@@ -447,6 +447,8 @@ class SpeculativeBatchGenerator:
             i for i, s in enumerate(self._prefill.sequences)
             if len(s.segments) == 1 and len(s.segments[0]) == 1
         ]
+        if self._in_flight is not None and (ready or len(self._prefill)):
+            self._in_flight.waited_for = True  # the prompts' evaluation waits for it
         if ready:
             tic = time.perf_counter()
             started = self._prefill.split(ready)
@@ -654,8 +656,8 @@ class SpeculativeBatchGenerator:
     def _step(self):
         """Read one round; before that, launch the next one when nothing
         has to wait for the host (see ``_can_overlap``). The policy learns
-        how long the round took (measuring costs aside), unless it also did
-        deferred work (``Launched.deferred``)."""
+        how long the round took (measuring costs aside), unless that time is
+        not its own (``Launched.untimed``)."""
         tic, measuring = time.perf_counter(), self._measuring
         if self._in_flight is None:
             self._in_flight = self._launch(self._anchors())
@@ -665,13 +667,11 @@ class SpeculativeBatchGenerator:
         responses = self._collect(self._in_flight, reuse=ahead is None)
         observe = getattr(self.policy, "observe", None)
         if observe is not None:
-            # The drafter's deferred work, copies of caches for rows that
-            # joined or left, and the caches of finished rows handed back
-            # say nothing of what a round costs.
+            # Handing finished rows' caches back is no round's cost either.
             handed_back = any(r.finish_reason for r in responses)
-            deferred = handed_back or self._in_flight.deferred or (ahead is not None and ahead.deferred)
+            untimed = handed_back or self._in_flight.untimed or (ahead is not None and ahead.untimed)
             elapsed = time.perf_counter() - tic - (self._measuring - measuring)
-            observe(None if deferred else elapsed)
+            observe(None if untimed else elapsed)
         self._in_flight = ahead
         if ahead is None:
             rows = self._generation
@@ -908,11 +908,14 @@ class Launched:
     anchors: mx.array  # [B]: the next round's anchors
     took_in_parked: bool = False  # the drafter took in parked rounds' taps too
     reshaped: bool = False  # it also copied caches for rows joined or left
+    waited_for: bool = False  # the host waited for it before reading it
 
     @property
-    def deferred(self) -> bool:
-        """Whether the round also did work deferred from earlier ones."""
-        return self.took_in_parked or self.reshaped
+    def untimed(self) -> bool:
+        """Whether reading the round says nothing of what a round costs: it
+        also did work deferred from earlier rounds, or the host already
+        waited for it elsewhere (prompts evaluated behind it)."""
+        return self.took_in_parked or self.reshaped or self.waited_for
 
     @property
     def k(self) -> int:
