@@ -32,6 +32,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 import mlx_dspark
+from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.doctor import conditional_for_tau
 from mlx_dspark.progress import progress
 from mlx_dspark.speculative import decoding, engine
@@ -48,28 +49,51 @@ def replayed_acceptance(tau: float, block_size: int, seed: int = 0):
     """Within the block, every greedy round accepts a number of drafts drawn
     from the profile "each draft accepted with probability c after an accepted
     one" whose mean accepted length is ``tau``. The real comparison stays in
-    the graph, so the round's compute is unchanged."""
+    the graph, so the round's compute is unchanged.
+
+    In the speculative batch generator (``mlx_lm.server`` with a drafter) a
+    greedy row draws from its request's prompt and its context length: the
+    same request at the same point accepts the same in every server and
+    process, so policies and servers compared in one run see the same
+    acceptance, not each its own luck (at one 96-token request a wave, a
+    request's tau ranged 2.2-3.9)."""
     conditional = conditional_for_tau(tau, block_size)
     draw = random.Random(seed)
     compare = decoding.greedy_accept
+    judge = SpeculativeBatchGenerator._judge
 
-    def one(drafts: int) -> int:
+    def one(drafts: int, rng=draw) -> int:
         accepted = 0
-        while accepted < drafts and draw.random() < conditional:
+        while accepted < drafts and rng.random() < conditional:
             accepted += 1
         return accepted
 
     def replayed(drafts, target_tokens):
-        # One row, or a batch of rows (the speculative batch generator).
+        # One row, or a batch of rows.
         rows = drafts.shape[0] if drafts.ndim == 2 else None
         drawn = one(drafts.shape[-1]) if rows is None else [one(drafts.shape[-1]) for _ in range(rows)]
         return 0 * compare(drafts, target_tokens) + mx.array(drawn)
 
+    def keyed(generator, sequences, proposal, logits, drafts_per_row, contexts):
+        log_probs, accepted, tokens = judge(generator, sequences, proposal, logits, drafts_per_row, contexts)
+        drawn = [
+            one(n, random.Random(hash((seed, tuple(s.tokens[:64]), len(s.tokens)))))
+            if s.decoding.plain_greedy else None
+            for s, n in zip(sequences, drafts_per_row)
+        ]
+        if all(d is None for d in drawn):
+            return log_probs, accepted, tokens
+        keep = mx.array([d is None for d in drawn])
+        replay = mx.array([d or 0 for d in drawn], accepted.dtype)
+        return log_probs, mx.where(keep, accepted, replay), tokens
+
     decoding.greedy_accept = replayed
+    SpeculativeBatchGenerator._judge = keyed
     try:
         yield
     finally:
         decoding.greedy_accept = compare
+        SpeculativeBatchGenerator._judge = judge
 
 
 def components(model, drafter, prompt, num_drafts):
