@@ -1314,6 +1314,48 @@ def test_one_slow_round_does_not_park_the_policy():
     assert all(choices[:15])
 
 
+def test_a_server_whose_requests_come_and_go_keeps_drafting_where_it_pays(monkeypatch, caplog):
+    """Requests join and leave a batch all the time in a server; the rounds
+    that copy caches for them or hand finished ones' caches back take far
+    longer than rounds do (here 20x, on an injected clock; every other
+    round takes what was measured). Drafting pays, so the cost policy keeps
+    drafting: those rounds do not teach it that drafting is slow."""
+    model, drafter = trained("gemma4")
+    costs = RoundCosts(draft=0.2, verify=[1.0] + [1.2] * drafter.max_draft_tokens)
+
+    class Clock:
+        now = 0.0
+
+        @classmethod
+        def perf_counter(cls):
+            return cls.now
+
+    monkeypatch.setattr(generator_module, "time", Clock)
+    generator = SpeculativeBatchGenerator(
+        model, drafter, policy=BatchPolicy(lambda batch, depth: costs), pipeline=False
+    )
+    collect = generator._collect
+
+    def timed_collect(launched, reuse):
+        responses = collect(launched, reuse)
+        seconds = costs.verify[launched.k] + (costs.draft if launched.k else 0.0)
+        slow = launched.reshaped or any(r.finish_reason for r in responses)
+        Clock.now += seconds * (20.0 if slow else 1.0)
+        return responses
+
+    monkeypatch.setattr(generator, "_collect", timed_collect)
+    caplog.set_level(logging.DEBUG)
+    drafted = []
+    for wave in range(8):
+        uids = generator.insert([[5 + wave, 6, 7], [9, 8 + wave, 7, 6]], max_tokens=[24, 5])
+        done = set()
+        while len(done) < len(uids):
+            done |= {r.uid for r in generator.next()[1] if r.finish_reason}
+            drafted.append(generator.policy.drafting)
+    assert drafted[-1] > 60  # it drafted throughout
+    assert "Batch policy parks" not in caplog.text
+
+
 def test_policy_tries_a_plain_round_when_it_never_ran_one():
     """Rounds that draft every time never tell the policy what a plain
     round really costs: every 16th drafting round is plain until one was
