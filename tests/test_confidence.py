@@ -631,7 +631,10 @@ class TableCostScheduler(CostScheduler):
         self.table = RoundCosts(draft, verify)
 
     def profile(self, timer):
-        return SimpleNamespace(costs=lambda depth, timer: self.table)
+        return SimpleNamespace(
+            costs=lambda depth, timer, most=None: self.table,
+            known=lambda depth, timer: self.table,
+        )
 
 
 SCHEDULED = {

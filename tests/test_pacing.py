@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
 from mlx_dspark.batching.policy import REPROBE_EVERY
-from mlx_dspark.confidence.costs import RoundCosts
+from mlx_dspark.confidence.costs import RoundCosts, RoundTimer, verify_rows
+from mlx_dspark.confidence.schedulers import CostScheduler
 from mlx_dspark.speculative import engine
 from mlx_dspark.speculative.pacing import Pacing
 
@@ -48,7 +49,7 @@ def test_a_jagged_curve_pads_and_parks():
     assert choices.count(0) == 2 * REPROBE_EVERY - 2 and max(choices) > 0
     # Without padding, the same good acceptance parks.
     unpadded = Pacing(TableCostScheduler(None, 0.004, FOUR_BIT), None, 6)
-    unpadded.scheduler.costs = lambda depth, timer: RoundCosts(0.004, FOUR_BIT)
+    unpadded.scheduler.costs = lambda depth, timer, most=None: RoundCosts(0.004, FOUR_BIT)
     for _ in range(40):
         unpadded.update(6, [2, 1, 3, 6, 0, 1, 2, 3, 0, 4][_ % 10])
     assert unpadded.drafts(6, 2048) == 0
@@ -108,6 +109,33 @@ def test_the_engine_verifies_at_the_cheapest_row_count(monkeypatch):
     )
     assert {n for n, r in zip(rounds, stats.history) if not r.proposed} <= {1}
     assert any(r.proposed for r in stats.history)
+
+
+@pytest.mark.parametrize("confidences", [False, True], ids=["drafts-paced", "confidences-read"])
+def test_a_single_stream_measures_a_few_verify_lengths_a_round(monkeypatch, confidences):
+    """On a machine with no cost profile yet, a generation under the cost
+    scheduler does not stop for the whole measurement (16 verify lengths):
+    each round times the next two (the draft with the first), drafts no
+    further than the lengths timed so far reach (nor, reading the drafts'
+    confidences, verifies further), and the output is still the target's."""
+    model, drafter = trained("gemma4")
+    calls, flat = [], [0.010] + [0.012] * 15  # drafting pays (injected costs)
+
+    def measured(timer, tokens=None, draft=True):
+        calls.append(list(tokens))
+        return RoundCosts(0.002 if draft else 0.0, [flat[n - 1] for n in tokens])
+
+    monkeypatch.setattr(RoundTimer, "__call__", measured)
+    prompt = [65, 211, 266, 241, 234, 10, 325, 168]
+    temperatures = [1.0] * drafter.block_size if confidences else None
+    scheduler = CostScheduler(temperatures, cache_profiles=False)
+    ours, stats = speculative(model, drafter, prompt, 48, scheduler=scheduler)
+    assert ours == plain_greedy(model, prompt, 48)
+    rows = verify_rows(drafter.block_size)
+    assert calls == [[n, n + 1] for n in range(1, rows, 2)]  # one call a round
+    measuring = list(zip(stats.history, calls))
+    assert all(r.proposed + 1 <= timed[-1] for r, timed in measuring)
+    assert any(r.proposed for r, _ in measuring)
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "assistant"])

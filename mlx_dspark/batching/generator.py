@@ -36,7 +36,13 @@ from mlx_lm.generate_utils import BatchCounters, BatchCountersSnapshot, BatchSta
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..confidence.calibration import survival
-from ..confidence.costs import CostProfile, RoundCosts, RoundTimer, profile_path
+from ..confidence.costs import (
+    VERIFIES_MEASURED_PER_ROUND,
+    CostProfile,
+    RoundCosts,
+    RoundTimer,
+    profile_path,
+)
 from ..speculative.decoding import Decoding, judge_greedy
 from ..speculative.engine import adapt_target
 from ..speculative.stats import Round, SpeculativeStats
@@ -52,12 +58,6 @@ MAX_PARKED_ROUNDS = 64
 # A ``next()`` slower than this is logged (DEBUG) with its parts: on a GPU
 # the first use of a shape compiles kernels, and a server's stalls show.
 SLOW_CALL_SECONDS = 1.0
-
-# The cost policy measures a batch size's costs on the live batch, this many
-# verify lengths a round, so that no round stops every request for long (a
-# whole measurement took 5-17 s at 12B on CUDA, compiling the new shapes).
-VERIFIES_MEASURED_PER_ROUND = 2
-
 
 @dataclass
 class Sequence:

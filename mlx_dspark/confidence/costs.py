@@ -27,6 +27,11 @@ from .calibration import user_cache_dir
 MAX_AGE = 7 * 24 * 3600.0
 REPEATS = 3
 
+# Cost policies measure a new depth bucket's (or batch size's) costs on the
+# live caches this many verify lengths a round, so that no round stops a
+# generation for long (a whole measurement took 5-17 s at 12B on CUDA).
+VERIFIES_MEASURED_PER_ROUND = 2
+
 
 @dataclass
 class RoundCosts:
@@ -248,6 +253,15 @@ class CostProfile:
             self.entries[key] = entry
             self._write()
         return RoundCosts(entry["draft"], entry["verify"])
+
+    def known(self, depth: int, timer: RoundTimer) -> Optional[RoundCosts]:
+        """What is measured at ``depth`` so far, measuring nothing: the whole
+        measurement, the part under way, or ``None``."""
+        key = _entry_key(depth, None)
+        entry = self.entries.get(key)
+        if self._usable(entry, timer.verify_rows):
+            return RoundCosts(entry["draft"], entry["verify"])
+        return self._partial.get(key)
 
     def measured_batches(self, depth: int, tokens: int) -> dict:
         """``{batch: RoundCosts}`` of the usable batch entries at ``depth``."""

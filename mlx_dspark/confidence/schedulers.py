@@ -120,13 +120,16 @@ class CostScheduler:
             self.profiles[timer.key] = CostProfile(path)
         return self.profiles[timer.key]
 
-    def costs(self, depth: int, timer: RoundTimer) -> RoundCosts:
+    def costs(self, depth: int, timer: RoundTimer, most: Optional[int] = None) -> RoundCosts:
         """The measured costs at ``depth``, every verify padded to its
-        cheapest row count."""
-        return self.profile(timer).costs(depth, timer).padded()
+        cheapest row count; ``most``: measure no more than that many verify
+        lengths now (``CostProfile.costs``)."""
+        return self.profile(timer).costs(depth, timer, most=most).padded()
 
     def choose(self, logits: List[float], depth: int, timer: RoundTimer) -> int:
-        costs = self.costs(depth, timer)
+        # The round's pacing has measured what it needs at this depth.
+        known = self.profile(timer).known(depth, timer)
+        costs = self.costs(depth, timer) if known is None else known.padded()
         [length] = prefix_schedule(
             [survival(logits, self.temperatures)], costs.rounds_per_second
         )

@@ -10,12 +10,18 @@ at the cheapest row count at least as long as ``[anchor, drafts]``, padded
 after the drafts: attention is causal, so the real rows' logits are the same,
 and the padding's outputs are discarded and its cache entries rolled back.
 
+At a depth whose costs are not measured yet, each round measures the next
+two verify lengths on the live caches (``VERIFIES_MEASURED_PER_ROUND``) and
+drafts, verifies and pads within the lengths measured so far, rather than
+stopping for all 16.
+
 Lossless when sampling: a round's choice uses only earlier rounds, this
 generation's and the drafter's earlier generations' (and the padding changes
 no logit).
 """
 
 from ..batching.policy import Acceptance, BatchPolicy
+from ..confidence.costs import VERIFIES_MEASURED_PER_ROUND
 
 
 class Pacing:
@@ -27,14 +33,18 @@ class Pacing:
         # scheduler) is where this generation's estimate starts.
         self.recent = scheduler.recent_acceptance.setdefault(drafts, Acceptance(drafts))
         self.acceptance = self.recent.newcomer()
-        self.policy = BatchPolicy(lambda _, depth: scheduler.costs(depth, timer))
+        self.policy = BatchPolicy(
+            lambda _, depth: scheduler.costs(depth, timer, most=VERIFIES_MEASURED_PER_ROUND)
+        )
 
     def drafts(self, cap: int, depth: int) -> int:
+        """A round's drafts; at a depth not measured yet, it measures the
+        next few verify lengths and drafts no further than they reach."""
         return self.policy.choose([self.acceptance.rates()], [cap], depth)
 
     def rows(self, tokens: int, depth: int) -> int:
-        costs = self.scheduler.profile(self.timer).costs(depth, self.timer)
-        return costs.cheapest_rows(tokens)
+        known = self.scheduler.profile(self.timer).known(depth, self.timer)
+        return tokens if known is None else known.cheapest_rows(tokens)
 
     def update(self, verified: int, accepted: int) -> None:
         self.acceptance.update(verified, accepted)
