@@ -5,7 +5,8 @@ request at a time), real server processes over HTTP.
 For each concurrency N, the modes take turns (one wave each, ``--waves``
 times): a wave sends N streaming chat requests at once, each with its own
 prompt, and waits for all of them. Reported per mode and N: aggregate
-tokens/s (completion tokens of the wave over its wall time), the median
+tokens/s (completion tokens of the wave over its wall time; with the
+range of one wave's ratio to stock's wave beside it), the median
 per-request tokens/s (completion tokens over the request's own time) and
 time to first token (p50, p95) with the part of it spent before the server
 took the request off its queue (until the response starts), plus the aggregate ratio to
@@ -193,6 +194,7 @@ def summarise(waves):
     headers = [t for w in waves for t in w["headers"]]
     return {
         "aggregate_tps": tokens / wall,
+        "wave_tps": [w["tokens"] / w["wall"] for w in waves],
         "per_request_tps": statistics.median(per_request),
         "ttft_p50": percentile(ttft, 0.5),
         "ttft_p95": percentile(ttft, 0.95),
@@ -274,12 +276,22 @@ def main():
                 server.stop()
 
 
+def wave_ratios(result, stock):
+    """Each wave's aggregate rate against stock's wave of the same index
+    (the two ran next to each other): how much one wave's ratio moves."""
+    return [a / b for a, b in zip(result["wave_tps"], stock["wave_tps"])]
+
+
 def report(n, by_mode):
-    stock = by_mode.get("stock", {}).get("aggregate_tps")
+    stock = by_mode.get("stock", {})
     for mode, r in by_mode.items():
-        ratio = f"{r['aggregate_tps'] / stock:5.2f}x" if stock else "    -"
+        ratio, spread = "    -", ""
+        if stock:
+            ratio = f"{r['aggregate_tps'] / stock['aggregate_tps']:5.2f}x"
+            waves = wave_ratios(r, stock)
+            spread = f", waves {min(waves):.2f}-{max(waves):.2f}x" if len(waves) > 1 else ""
         print(
-            f"N={n:<3} {mode:<14} aggregate {r['aggregate_tps']:8.1f} tok/s ({ratio})  "
+            f"N={n:<3} {mode:<14} aggregate {r['aggregate_tps']:8.1f} tok/s ({ratio}{spread})  "
             f"per request {r['per_request_tps']:7.1f} tok/s  "
             f"TTFT p50 {1000 * r['ttft_p50']:7.1f} ms  p95 {1000 * r['ttft_p95']:7.1f} ms  "
             f"(response started after p50 {1000 * r['headers_p50']:6.1f} ms  p95 {1000 * r['headers_p95']:6.1f} ms)",
