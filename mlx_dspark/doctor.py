@@ -262,7 +262,7 @@ def measure(model, drafter, target, depth: int, verify: int):
     the same context."""
     import mlx.core as mx
 
-    from .confidence.costs import live_timer, median_seconds
+    from .confidence.costs import live_timer, fastest_seconds
     from .progress import progress
 
     target_cache = target.make_cache(verify)
@@ -303,7 +303,7 @@ def measure(model, drafter, target, depth: int, verify: int):
             )
             return proposal.tokens, proposal.confidence
 
-        return median_seconds(draft)
+        return fastest_seconds(draft)
 
     return {
         "device": mx.device_info().get("device_name", str(mx.default_device())),

@@ -57,6 +57,7 @@ from test_sampling import (
     sampler_of,
 )
 from tiny import (
+    Clock,
     cut_at_stop,
     from_drafts,
     gemma4_text_args,
@@ -1323,14 +1324,8 @@ def test_a_server_whose_requests_come_and_go_keeps_drafting_where_it_pays(monkey
     model, drafter = trained("gemma4")
     costs = RoundCosts(draft=0.2, verify=[1.0] + [1.2] * drafter.max_draft_tokens)
 
-    class Clock:
-        now = 0.0
-
-        @classmethod
-        def perf_counter(cls):
-            return cls.now
-
-    monkeypatch.setattr(generator_module, "time", Clock)
+    clock = Clock()
+    monkeypatch.setattr(generator_module, "time", clock)
     generator = SpeculativeBatchGenerator(
         model, drafter, policy=BatchPolicy(lambda batch, depth: costs), pipeline=False
     )
@@ -1340,7 +1335,7 @@ def test_a_server_whose_requests_come_and_go_keeps_drafting_where_it_pays(monkey
         responses = collect(launched, reuse)
         seconds = costs.verify[launched.k] + (costs.draft if launched.k else 0.0)
         slow = launched.reshaped or any(r.finish_reason for r in responses)
-        Clock.now += seconds * (20.0 if slow else 1.0)
+        clock.now += seconds * (20.0 if slow else 1.0)
         return responses
 
     monkeypatch.setattr(generator, "_collect", timed_collect)

@@ -44,7 +44,7 @@ from mlx_dspark.speculative.acceptance import rejection_accept
 
 from chisquare import goodness_of_fit
 from conftest import DEEPSPEC_TINY
-from tiny import gemma4_text_args, plain_greedy, speculative, tiny_dspark, tiny_gemma4
+from tiny import Clock, gemma4_text_args, plain_greedy, speculative, tiny_dspark, tiny_gemma4
 
 DSPARK = DEEPSPEC_TINY / "dspark_tiny_gemma4_block4"
 DFLASH = DEEPSPEC_TINY / "dflash_tiny_gemma4_block4"
@@ -499,6 +499,34 @@ def test_a_profile_measured_a_few_verifies_at_a_time_is_the_whole_measurement(tm
     timer.verified, timer.drafts_timed = [], 0
     again = profile.costs(100, timer, batch=4, most=2)
     assert timer.verified == [1, 2] and timer.drafts_timed == 1 and len(again.verify) == 2
+
+
+def test_a_cost_is_the_fastest_of_its_repeats_on_live_caches(monkeypatch):
+    """Whatever else the host does while a verify length is timed (in a
+    server, the threads streaming the last round's tokens) only adds time:
+    each cost is the fastest of its repeats after the warm-up, on an
+    injected clock where two of the three repeats are slowed down."""
+    from mlx_dspark.confidence import costs as costs_module
+
+    clock = Clock()
+    monkeypatch.setattr(costs_module, "time", clock)
+    # Warm-up, then the repeats: slowed, quick, slowed.
+    slowdowns = iter([50.0, 3.0, 1.0, 2.5] * 3)
+
+    def timed(seconds):
+        def run():
+            clock.now += seconds * next(slowdowns)
+            return mx.zeros(1)
+
+        return run
+
+    timer = costs_module.RoundTimer(
+        model=None, drafter=None, drafts=1,
+        verify=lambda n: timed(0.010 * n)(), draft=timed(0.002),
+    )
+    measured = timer()
+    assert measured.draft == pytest.approx(0.002)
+    assert measured.verify == pytest.approx([0.010, 0.020])
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,18 @@ ROPE = {
 }
 
 
+class Clock:
+    """Stands in for a module's ``time``: its ``perf_counter`` moves only
+    when a test moves ``now``, so what is timed does not depend on this
+    machine's speed."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
 def randomize(model: nn.Module, seed: int, scale: float = 0.3) -> nn.Module:
     """Gaussian weights (norm weights near 1) so that tiny models do not collapse
     onto one token."""
