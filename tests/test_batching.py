@@ -422,26 +422,38 @@ def test_the_servers_generator_logs_its_slow_calls_and_where_its_time_went(monke
     """A server operator chasing a stall finds it in the DEBUG log: each slow
     ``next()`` with its parts (rounds, first steps, prefill chunks), and
     how the generation thread's time split between the generator and the
-    server's own work. (The thresholds are set to zero: every call is slow.)"""
+    server's own work, with each part's count and mean. Rounds that also
+    copied the caches for rows joined or left, or handed a finished
+    request's caches back, are parts of their own. (The thresholds are set
+    to zero: every call is slow.)"""
     monkeypatch.setattr(generator_module, "SLOW_CALL_SECONDS", -1.0)
     monkeypatch.setattr(ServerBatchGenerator, "LOAD_LOG_SECONDS", 0.0)
     model, drafter = trained("gemma4")
     generator = ServerBatchGenerator(model, drafter, policy=FixedPolicy())
-    generator.insert([[5, 6, 7, 8, 9], [10, 20, 30]], max_tokens=[6, 6])
-    kinds = []
+    uids = generator.insert([[5, 6, 7, 8, 9], [10, 20, 30]], max_tokens=[8, 24])
+    kinds, finished = [], []
     with caplog.at_level(logging.DEBUG):
-        for _ in range(4):
-            generator.next()
+        while len(finished) < len(uids):
+            _, responses = generator.next()
             kinds.append([kind for kind, _, _ in generator.phases])
-    assert kinds == [["prefill"], ["first steps"], ["rounds"], ["rounds"]]
+            finished += [r.uid for r in responses if r.finish_reason]
+    joined, handing_back = ["rounds after rows joined or left"], ["rounds handing caches back"]
+    assert kinds[:4] == [["prefill"], ["first steps"], joined, ["rounds"]]
+    first_done = next(i for i, k in enumerate(kinds) if k == handing_back)
+    assert kinds[first_done + 1] == joined  # the other row's caches, copied without the first's
+    assert kinds[-1] == handing_back
+    assert [k for k in kinds[first_done + 2 : -1] if k != ["rounds"]] == []
     slow = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Slow batch step")]
     load = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Batch generator, last")]
-    assert len(slow) == len(load) == 4
+    assert len(slow) == len(load) == len(kinds)
     assert "a prefill chunk of 2" in slow[0]
     assert "the first step of 2" in slow[1]
     assert "a round of 2 sequences" in slow[2]
     assert all("% in the server between calls" in line for line in load)
-    assert "% in next() (prefill " in load[0] and "% in next() (rounds " in load[2]
+    assert "% in next() (prefill " in load[0] and "(1 x " in load[0]
+    assert "% in next() (rounds after rows joined or left " in load[2]
+    assert "% in next() (rounds " in load[3]
+    assert "% in next() (rounds handing caches back " in load[first_done]
 
 
 def test_the_servers_load_log_counts_the_servers_work_not_its_idle_time(monkeypatch):

@@ -59,6 +59,11 @@ MAX_PARKED_ROUNDS = 64
 # the first use of a shape compiles kernels, and a server's stalls show.
 SLOW_CALL_SECONDS = 1.0
 
+# The kind of a round whose read time is its own (see ``_round_kind``): the
+# policy learns from these rounds only, and the server's load log times
+# each kind apart.
+TIMED = "rounds"
+
 @dataclass
 class Sequence:
     """One request: its prompt still to process, decoding settings and state."""
@@ -252,8 +257,10 @@ class SpeculativeBatchGenerator:
         self._num_draft_caches = len(drafter.make_cache())
         self._cost_profile = None
         self._measuring = 0.0  # seconds spent measuring costs
-        # The last ``next()``'s parts: (kind, what, seconds).
+        # The last ``next()``'s parts: (kind, what, seconds), and what its
+        # round did besides drafting and verifying (``_round_kind``).
         self.phases = []
+        self.round_kind = TIMED
         # Every sequence's rounds, recent ones weighing more: a joining
         # sequence's first guess of its acceptance.
         self._recent = Acceptance(drafter.max_draft_tokens)
@@ -425,7 +432,7 @@ class SpeculativeBatchGenerator:
             tic = time.perf_counter()
             batch = len(self._generation)
             generation_responses = self._step()
-            phases.append(("rounds", f"a round of {batch} sequences", time.perf_counter() - tic))
+            phases.append((self.round_kind, f"a round of {batch} sequences", time.perf_counter() - tic))
             self._counters.decode_time += time.perf_counter() - tic
             self._counters.generation_tokens += len(generation_responses)
             self._counters.generation_steps += 1
@@ -657,7 +664,7 @@ class SpeculativeBatchGenerator:
         """Read one round; before that, launch the next one when nothing
         has to wait for the host (see ``_can_overlap``). The policy learns
         how long the round took (measuring costs aside), unless that time is
-        not its own (``Launched.untimed``)."""
+        not its own (``_round_kind``)."""
         tic, measuring = time.perf_counter(), self._measuring
         if self._in_flight is None:
             self._in_flight = self._launch(self._anchors())
@@ -665,13 +672,14 @@ class SpeculativeBatchGenerator:
         if self._can_overlap():
             ahead = self._launch(self._in_flight.anchors)
         responses = self._collect(self._in_flight, reuse=ahead is None)
+        # Handing finished rows' caches back is no round's cost either.
+        self.round_kind = _round_kind(self._in_flight, any(r.finish_reason for r in responses))
+        if self.round_kind == TIMED and ahead is not None:
+            self.round_kind = _round_kind(ahead, False)
         observe = getattr(self.policy, "observe", None)
         if observe is not None:
-            # Handing finished rows' caches back is no round's cost either.
-            handed_back = any(r.finish_reason for r in responses)
-            untimed = handed_back or self._in_flight.untimed or (ahead is not None and ahead.untimed)
             elapsed = time.perf_counter() - tic - (self._measuring - measuring)
-            observe(None if untimed else elapsed)
+            observe(elapsed if self.round_kind == TIMED else None)
         self._in_flight = ahead
         if ahead is None:
             rows = self._generation
@@ -911,13 +919,6 @@ class Launched:
     waited_for: bool = False  # the host waited for it before reading it
 
     @property
-    def untimed(self) -> bool:
-        """Whether reading the round says nothing of what a round costs: it
-        also did work deferred from earlier rounds, or the host already
-        waited for it elsewhere (prompts evaluated behind it)."""
-        return self.took_in_parked or self.reshaped or self.waited_for
-
-    @property
     def k(self) -> int:
         return max(self.drafts_per_row)
 
@@ -927,6 +928,20 @@ class Launched:
         proposal = [self.proposal.tokens, self.proposal.confidence] if self.k else []
         verdict = [self.accepted, self.tokens, self.token_log_probs]
         return verdict + [x for x in proposal if x is not None]
+
+
+def _round_kind(launched: Launched, handed_back: bool) -> str:
+    """A round's kind for the policy and the load log: ``TIMED`` when its
+    read time is its own, else the first thing it also paid for."""
+    if handed_back:
+        return "rounds handing caches back"
+    if launched.reshaped:
+        return "rounds after rows joined or left"
+    if launched.took_in_parked:
+        return "rounds taking in parked rounds"
+    if launched.waited_for:
+        return "rounds prompts waited for"
+    return TIMED
 
 
 def _log_probs_of(log_probs, tokens: mx.array) -> mx.array:

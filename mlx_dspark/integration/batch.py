@@ -27,7 +27,10 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
     Every ``LOAD_LOG_SECONDS`` while busy it logs (DEBUG) how the generation
     thread's time split between ``next()`` (rounds, first steps, prefill,
     measuring costs) and the server's own work on the responses between
-    calls (detokenizing, streaming, prompt caching)."""
+    calls (detokenizing, streaming, prompt caching), with how many of each
+    part and how long each took on average. Rounds are told apart by what
+    else they paid for (handing finished requests' caches back, copying
+    the caches for rows joined or left; ``generator._round_kind``)."""
 
     LOAD_LOG_SECONDS = 10.0
     PIPELINE = False
@@ -40,7 +43,10 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
 
     @staticmethod
     def _fresh_load(since):
-        return {"since": since, "inside": 0.0, "between": 0.0, "calls": 0, "tokens": 0, "parts": {}}
+        return {
+            "since": since, "inside": 0.0, "between": 0.0, "calls": 0, "tokens": 0,
+            "parts": {}, "counts": {},
+        }
 
     def next(self):
         load, start = self._load, time.perf_counter()
@@ -53,11 +59,15 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
         load["tokens"] += len(generation_responses)
         for kind, _, seconds in self.phases:
             load["parts"][kind] = load["parts"].get(kind, 0.0) + seconds
+            load["counts"][kind] = load["counts"].get(kind, 0) + 1
         load["since"] = load["since"] or start
         window = end - load["since"]
         if window >= self.LOAD_LOG_SECONDS:
             share = lambda seconds: 100 * seconds / max(window, 1e-9)  # noqa: E731
-            parts = ", ".join(f"{kind} {share(t):.0f}%" for kind, t in load["parts"].items())
+            parts = ", ".join(
+                f"{kind} {share(t):.0f}% ({load['counts'][kind]} x {1000 * t / load['counts'][kind]:.0f} ms)"
+                for kind, t in load["parts"].items()
+            )
             logging.debug(
                 "Batch generator, last %.1f s: %d calls, %d tokens; %.0f%% in next() (%s), "
                 "%.0f%% in the server between calls",
