@@ -467,58 +467,84 @@ def test_the_servers_load_log_counts_the_servers_work_not_its_idle_time(monkeypa
     model, drafter = trained("gemma4")
     generator = ServerBatchGenerator(model, drafter, policy=FixedPolicy())
     generator.insert([[5, 6, 7, 8, 9], [10, 20, 30]], max_tokens=[6, 6])
-    parts = {}
+    parts, counts = {}, Counter()
     for _ in range(4):
         generator.next()
         for kind, _, seconds in generator.phases:
             parts[kind] = parts.get(kind, 0.0) + seconds
+            counts[kind] += 1
     load = generator._load
     assert load["inside"] == pytest.approx(1.0 + 0.9 + 1.0 + 0.7)
     assert load["between"] == pytest.approx(0.1 + 0.3)  # not the 5 s gap
     assert load["calls"] == 4 and load["parts"] == pytest.approx(parts)
+    assert load["counts"] == counts and sum(counts.values()) >= 4
 
 
 def test_the_cost_policy_measures_a_few_verify_lengths_a_round(monkeypatch, tmp_path):
     """On a machine with no cost profile yet, the server's first rounds do
     not stop every request for a whole measurement (5-17 s at 12B on
-    CUDA): each round times the next two verify lengths
-    (``VERIFIES_MEASURED_PER_ROUND``), drafts no more than the lengths timed
-    so far cover, and the output is still the target's."""
+    CUDA): the first round times two verify lengths before it is chosen,
+    then each round times the next two (``VERIFIES_MEASURED_PER_ROUND``)
+    right after it is read and before its tokens are handed out (when a
+    server's streaming threads are idle), each round drafts no more than
+    the lengths timed before it cover, and the output is the target's."""
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
     model, drafter = trained("gemma4")
     generator = ServerBatchGenerator(model, drafter)  # the default, cost policy
-    timed, drafts, measuring_phases = [], [], []
-    time_verify, choose = generator._time_verify, generator._choose_drafts
-    monkeypatch.setattr(generator, "_time_verify", lambda n: timed.append(n) or time_verify(n))
-    monkeypatch.setattr(generator, "_choose_drafts", lambda rows: drafts.append(choose(rows)) or drafts[-1])
+    events = []
+    time_verify, choose, collect = generator._time_verify, generator._choose_drafts, generator._collect
+    monkeypatch.setattr(generator, "_time_verify", lambda n: events.append(("timed", n)) or time_verify(n))
+    def chose(drafts):
+        events.append(("chose", max(drafts)))
+        return drafts
+
+    monkeypatch.setattr(generator, "_choose_drafts", lambda rows: chose(choose(rows)))
+    monkeypatch.setattr(generator, "_collect", lambda *a, **k: events.append(("read",)) or collect(*a, **k))
     prompt = [5, 6, 7, 8, 9]
-    (uid,) = generator.insert([prompt], max_tokens=[24])
-    tokens, per_round = [], []
-    while not tokens or not finished:
-        mark, rounds = len(timed), len(drafts)
+    generator.insert([prompt], max_tokens=[24])
+    tokens, measuring_phases, finished = [], [], False
+    while not finished:
+        mark = len(events)
         _, responses = generator.next()
+        events.append(("returned",))
         tokens += [r.token for r in responses]
         finished = any(r.finish_reason for r in responses)
-        if len(drafts) > rounds:
-            per_round.append((sorted(set(timed[mark:])), max(drafts[-1])))
         measured = any(kind == "measuring costs" for kind, _, _ in generator.phases)
-        measuring_phases.append(measured == (len(timed) > mark))
+        measuring_phases.append(measured == any(e[0] == "timed" for e in events[mark:]))
     assert all(measuring_phases)  # the time measuring shows where it was spent
+    assert tokens == plain_greedy(model, prompt, 24)
     rows = drafter.max_draft_tokens + 1
-    measuring = [(lengths, k) for lengths, k in per_round if lengths]
-    assert [lengths for lengths, _ in measuring] == [
+    # Consecutive timings, as lengths: first 1 and 2, then two a round.
+    runs, kinds = [], [e[0] for e in events]
+    for i, e in enumerate(events):
+        if e[0] == "timed" and (i == 0 or kinds[i - 1] != "timed"):
+            runs.append((i, []))
+        if e[0] == "timed":
+            runs[-1][1].append(e[1])
+    assert sorted({n for _, r in runs for n in r}) == list(range(1, rows + 1))
+    assert [sorted(set(r)) for _, r in runs] == [
         list(range(i, min(i + 2, rows + 1))) for i in range(1, rows + 1, 2)
     ]
-    assert all(k < lengths[-1] for lengths, k in measuring)
-    assert tokens == plain_greedy(model, prompt, 24)
+    assert kinds[runs[0][0] + len(runs[0][1])] == "chose"  # the first round waits for two lengths
+    def following(kind, i):
+        return next((j for j in range(i, len(kinds)) if kinds[j] == kind), len(kinds))
+
+    for start, _ in runs[1:]:  # the others: between a round's read and its tokens' return
+        assert kinds[start - 1] == "read"
+        assert following("returned", start) < following("chose", start)
+    covered = 0
+    for e in events:
+        if e[0] == "timed":
+            covered = max(covered, e[1])
+        elif e[0] == "chose":
+            assert e[1] < covered
 
 
-def test_a_batch_size_being_measured_borrows_the_complete_sizes_costs(monkeypatch, tmp_path):
-    """While a new batch size's costs are measured a few lengths a round, a
-    batch size measured in full stands in for it (not the few lengths
-    measured so far, which would cap the drafts for no reason); with only
-    measurements under way, their parts stand in, and no size between
-    powers of two starts one of its own."""
+def measured_on_fixed_costs(monkeypatch, tmp_path):
+    """A generator with four sequences generating, whose cost timings
+    return fixed costs instead of timing (so nothing depends on this
+    machine's speed); the costs, and a list of ``(batch size, verify
+    lengths)`` of every timing."""
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
     model, drafter = trained("gemma4")
     generator = SpeculativeBatchGenerator(model, drafter)
@@ -527,25 +553,53 @@ def test_a_batch_size_being_measured_borrows_the_complete_sizes_costs(monkeypatc
 
     def fake_measurement(timer, tokens=None, draft=True):
         tokens = list(range(1, timer.verify_rows + 1) if tokens is None else tokens)
-        timed.append(tokens)
+        timed.append((len(generator._generation), tokens))
         return RoundCosts(full.draft if draft else 0.0, [full.verify[n - 1] for n in tokens])
 
     monkeypatch.setattr(RoundTimer, "__call__", fake_measurement)
     generator.insert([[5 + i, 6, 7] for i in range(4)], max_tokens=[8] * 4)
     while len(generator._generation) < 4:
         generator.next()
+    return generator, full, timed
+
+
+def test_a_batch_size_being_measured_borrows_the_complete_sizes_costs(monkeypatch, tmp_path):
+    """While a new batch size's costs are measured a few lengths a round, a
+    batch size measured in full stands in for it (not the few lengths
+    measured so far, which would cap the drafts for no reason); with only
+    measurements under way, their parts stand in, and no size between
+    powers of two starts one of its own. Choosing a round times nothing
+    unless nothing at all is known."""
+    generator, full, timed = measured_on_fixed_costs(monkeypatch, tmp_path)
     depth = 8
     first = generator.measured_costs(4, depth)  # nothing known: a part
-    assert len(first.verify) == 2 and timed == [[1, 2]]
+    assert len(first.verify) == 2 and timed == [(4, [1, 2])]
     assert generator.measured_costs(3, depth).verify == first.verify  # the part stands in
     assert len(timed) == 1
     for _ in range(3):
-        generator.measured_costs(4, depth)  # completes size 4
+        generator._measure_after_round()  # completes size 4, two lengths a round
     assert generator.measured_costs(4, depth) == full
     timed.clear()
-    borrowed = generator.measured_costs(2, depth)
-    assert timed == [[1, 2]]  # size 2's measurement has started
-    assert borrowed == full  # size 4's complete costs stand in meanwhile
+    assert generator.measured_costs(2, depth) == full  # size 4's complete costs stand in
+    assert timed == []  # rounds are chosen without timing anything once something is known
+    generator.remove([generator._generation.sequences[0].uid, generator._generation.sequences[1].uid])
+    generator._measure_after_round()
+    assert timed == [(2, [1, 2])]  # size 2's measurement starts after a round of 2
+    assert generator.measured_costs(2, depth) == full  # size 4's stand in meanwhile
+
+
+def test_a_batch_that_left_the_size_being_measured_measures_its_own(monkeypatch, tmp_path):
+    """While no batch size is measured in full, the parts under way cap the
+    drafts; a batch that shrank (or grew) away from the size being measured
+    measures its own size, rather than drafting under the cap until the
+    depth bucket changes."""
+    generator, full, timed = measured_on_fixed_costs(monkeypatch, tmp_path)
+    generator.measured_costs(4, 8)  # nothing known: size 4 starts
+    generator.remove([generator._generation.sequences[0].uid])
+    for _ in range(3):
+        generator._measure_after_round()
+    assert timed == [(4, [1, 2]), (3, [1, 2]), (3, [3, 4]), (3, [5])]
+    assert generator.measured_costs(3, 8) == full
 
 
 def test_rounds_in_which_nobody_leaves_do_not_copy_the_batchs_caches(monkeypatch):
@@ -1546,31 +1600,60 @@ def test_interpolated_costs_between_measured_batch_sizes():
 
 
 def test_the_cost_policy_measures_only_at_powers_of_two(monkeypatch, tmp_path):
-    """A batch that shrinks request by request (budgets 3 to 30) measures its
-    round costs at 5 (nothing known yet), 4, 2 and 1 sequences, and
-    interpolates the rest; outputs stay greedy whatever the costs."""
+    """A batch that shrinks request by request (budgets 3 to 40) measures its
+    round costs at whatever size it has while no size is measured in full
+    (the parts under way would cap its drafts), then only at powers of two,
+    and interpolates the rest; each size once; outputs stay greedy whatever
+    the costs."""
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
-    measured = []
+    timed = []  # (batch size, verify lengths) of each timing
 
     def fake_measurement(timer, tokens=None, draft=True):
-        tokens = range(1, 6) if tokens is None else tokens
-        if draft:  # a measurement starts (it spreads over rounds)
-            measured.append(len(timer_batch()))
+        tokens = list(range(1, 6) if tokens is None else tokens)
+        timed.append((len(timer_batch()), tokens))
         return RoundCosts(draft=0.001 if draft else 0.0, verify=[0.01 * (1 + 0.1 * (n - 1)) for n in tokens])
 
     model, drafter = trained("gemma4")
     generator = SpeculativeBatchGenerator(model, drafter, prefill_batch_size=8)
     timer_batch = lambda: generator._generation.sequences  # noqa: E731
     monkeypatch.setattr(RoundTimer, "__call__", fake_measurement)
-    prompts = [[5 + i, 6, 7, 8] for i in range(5)]
-    budgets = [3, 9, 15, 22, 30]
+    prompts = [[5 + i, 6, 7, 8] for i in range(6)]
+    budgets = [3, 9, 15, 22, 30, 40]
     tokens, _ = run(
         generator, [(0, p, dict(max_tokens=[m])) for p, m in zip(prompts, budgets)]
     )
     for i, (p, m) in enumerate(zip(prompts, budgets)):
         assert tokens[i] == plain_greedy(model, p, m)
-    assert set(measured) <= {5, 4, 2, 1} and 5 in measured
-    assert len(measured) == len(set(measured))  # once per size and depth bucket
+    rows = drafter.max_draft_tokens + 1
+    done = next(i for i, (_, lengths) in enumerate(timed) if lengths[-1] == rows)
+    started = [size for size, lengths in timed if lengths[0] == 1]
+    assert len(started) == len(set(started))  # once per size and depth bucket
+    assert started[0] == 6
+    after = [size for size, lengths in timed[done + 1 :] if lengths[0] == 1]
+    assert after and set(after) <= {4, 2, 1}
+
+
+def test_a_pipelined_round_the_costs_timing_waited_for_is_not_timed_for_the_policy(monkeypatch, tmp_path):
+    """Pipelined, a round may be in flight when the batch's costs are timed
+    after the round before it is read; the timing waits for it, so its
+    read takes no time and says nothing of what a round costs."""
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    model, drafter = trained("gemma4")
+    generator = SpeculativeBatchGenerator(model, drafter, pipeline=True)
+    measure, waited = generator._measure, []
+
+    def measuring(batch, depth):
+        costs = measure(batch, depth)
+        if generator._in_flight is not None:
+            waited.append(generator._in_flight)
+        return costs
+
+    monkeypatch.setattr(generator, "_measure", measuring)
+    prompts = [[5, 6, 7, 8, 9], [65, 211, 266, 241]]
+    tokens, _ = run(generator, [(0, p, dict(max_tokens=[40])) for p in prompts])
+    for i, p in enumerate(prompts):
+        assert tokens[i] == plain_greedy(model, p, 40)
+    assert waited and all(launched.waited_for for launched in waited)
 
 
 def test_cost_profiles_are_found_again_whatever_memory_is_free(monkeypatch):

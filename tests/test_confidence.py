@@ -501,7 +501,7 @@ def test_a_profile_measured_a_few_verifies_at_a_time_is_the_whole_measurement(tm
     assert timer.verified == [1, 2] and timer.drafts_timed == 1 and len(again.verify) == 2
 
 
-def test_a_cost_is_the_fastest_of_its_repeats_on_live_caches(monkeypatch):
+def test_a_cost_is_the_fastest_of_its_repeats(monkeypatch):
     """Whatever else the host does while a verify length is timed (in a
     server, the threads streaming the last round's tokens) only adds time:
     each cost is the fastest of its repeats after the warm-up, on an
@@ -527,6 +527,22 @@ def test_a_cost_is_the_fastest_of_its_repeats_on_live_caches(monkeypatch):
     measured = timer()
     assert measured.draft == pytest.approx(0.002)
     assert measured.verify == pytest.approx([0.010, 0.020])
+
+
+def test_profiles_measured_another_way_are_measured_again(tiny_pair, monkeypatch):
+    """How a cost is read from its repeats is part of a profile's key: a
+    profile measured under another rule (the median, before) is not
+    found again, so it is measured again."""
+    from mlx_dspark.confidence import costs as costs_module
+
+    model, drafter = tiny_pair
+
+    def key():
+        return costs_module.RoundTimer(model, drafter, 4, None, None).key
+
+    now = key()
+    monkeypatch.setattr(costs_module, "TIMING", "median of the repeats")
+    assert key() != now
 
 
 @pytest.mark.parametrize(

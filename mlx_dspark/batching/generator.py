@@ -616,8 +616,22 @@ class SpeculativeBatchGenerator:
         size and depth bucket; other sizes interpolate between the sizes
         measured, so a batch that shrinks request by request does not stop
         to measure at every size. A measurement spreads over rounds, a few
-        verifies each; meanwhile the sizes measured stand in, or, with none,
-        the parts measured so far."""
+        verifies at the end of each (``_measure_after_round``); meanwhile
+        the sizes measured stand in, or, with none, the parts measured so
+        far. Only a depth with nothing known at all is measured here, as a
+        round is chosen."""
+        timer, profile = self._profile()
+        measured = profile.measured_batches(depth, timer.verify_rows)
+        if batch in measured:
+            return measured[batch]
+        under_way = profile.partial_batches(depth)
+        if not (measured or under_way):
+            return self._measure(batch, depth)  # a part: the policy verifies no more than it covers
+        # Parts of measurements stand in only while nothing is complete;
+        # they cover the lengths all of them have measured.
+        return interpolate(measured or under_way, batch)
+
+    def _profile(self):
         if self._cost_profile is None:
             timer = RoundTimer(
                 self.model,
@@ -628,20 +642,40 @@ class SpeculativeBatchGenerator:
                 batch=0,  # one profile for every batch size, keyed by size
             )
             self._cost_profile = (timer, CostProfile(profile_path(timer.key)))
-        timer, profile = self._cost_profile
+        return self._cost_profile
+
+    def _measure(self, batch: int, depth: int) -> RoundCosts:
+        """The next few verify lengths of ``batch``'s costs at ``depth``,
+        timed now; what is measured so far."""
+        timer, profile = self._profile()
+        tic = time.perf_counter()
+        costs = profile.costs(depth, timer, batch, most=VERIFIES_MEASURED_PER_ROUND)
+        self._measuring += time.perf_counter() - tic
+        return costs
+
+    def _measure_after_round(self) -> None:
+        """Go on with the generating batch's cost measurement, if the policy
+        uses one and it is incomplete (a power of two not measured yet, one
+        under way, or any size while none is complete): right after a round
+        is read, before its tokens are handed out. Then a server's threads
+        that stream the tokens are idle, and do not compete with the timing
+        for the host (timed as a round was chosen, right after the server
+        had handed out the round before, a 1-row verify at 12B measured 2-3x
+        its cost)."""
+        rows = self._generation
+        if not len(rows) or getattr(self.policy, "costs", None) != self.measured_costs:
+            return
+        batch, depth = len(rows), max(len(s.tokens) for s in rows.sequences)
+        timer, profile = self._profile()
         measured = profile.measured_batches(depth, timer.verify_rows)
-        if batch in measured:
-            return measured[batch]
         under_way = profile.partial_batches(depth)
-        if batch & (batch - 1) == 0 or not (measured or under_way):
-            tic = time.perf_counter()
-            costs = profile.costs(depth, timer, batch, most=VERIFIES_MEASURED_PER_ROUND)
-            self._measuring += time.perf_counter() - tic
-            if len(costs.verify) == timer.verify_rows or not measured:
-                return costs  # a part: the policy verifies no more than it covers
-        # Parts of measurements stand in only while nothing is complete;
-        # they cover the lengths all of them have measured.
-        return interpolate(measured or under_way, batch)
+        # While no size is complete, the parts under way cap the drafts: a
+        # batch that left the size being measured measures its own.
+        starts = batch & (batch - 1) == 0 or not measured
+        if batch in under_way or (batch not in measured and starts):
+            self._measure(batch, depth)
+            if self._in_flight is not None:
+                self._in_flight.waited_for = True  # the timing waited for it
 
     def _anchors(self) -> mx.array:
         return mx.array([s.anchor for s in self._generation.sequences], mx.uint32)
@@ -688,6 +722,7 @@ class SpeculativeBatchGenerator:
                 self._commit_parked()
             rows.keep(staying)
             rows.compact(self.compact_waste)
+        self._measure_after_round()
         return responses
 
     def _can_overlap(self) -> bool:
