@@ -6,6 +6,7 @@ import copy
 import logging
 import random
 from collections import Counter
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -1322,6 +1323,23 @@ def calibrated(drafter):
     drafter = copy.copy(drafter)
     drafter.calibration = Calibration(temperatures=[1.5, 1.2, 1.0, 0.8], drafter="tiny")
     return drafter
+
+
+@given(batches())
+def test_timing_round_costs_on_the_live_caches_changes_no_output(case):
+    """The ``cost`` policy times verifies and drafts on the generating
+    batch's own caches: as a round is chosen, after a round is read (with a
+    pipelined round in flight or not), after rows joined or left, in a
+    parked batch. Whatever it then chooses (its choices depend on this
+    machine's timings, its outputs must not), each sequence is its own
+    greedy output, its cache holds exactly its tokens, and follow-ups
+    continue exactly. Every generator measures from scratch (no profile
+    kept on disk)."""
+    requests, sizes, seed = case
+    model, drafter = trained("gemma4")
+    with mock.patch.object(generator_module, "profile_path", lambda key: None):
+        check_batch(model, drafter, requests, sizes, seed, follow_up=True,
+                    make=SpeculativeBatchGenerator)
 
 
 @given(batches())
