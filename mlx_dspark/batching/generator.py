@@ -975,7 +975,7 @@ def _round_kind(launched: Launched, handed_back: bool) -> str:
     if launched.took_in_parked:
         return "rounds taking in parked rounds"
     if launched.waited_for:
-        return "rounds prompts waited for"
+        return "rounds already waited for"  # by prompts evaluated, or costs timed, behind them
     return TIMED
 
 
