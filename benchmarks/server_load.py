@@ -19,7 +19,9 @@ the steady state instead: each of the N clients sends requests back to back
 for S seconds. On MLX-CUDA some shapes compile kernels for seconds the first
 time a machine meets them (kept on disk after that), which favours the
 servers started later; ``--prime`` runs every server at every concurrency
-once before measuring.
+once before measuring. With ``--log-level DEBUG``, each batched server's
+``next()`` is summed by part at the end (from its load lines: rounds of
+their own, rounds that also copied or handed back caches, prefill, ...).
 
 Default: the bundled tiny Gemma-4 pair on this machine, real acceptance.
 With ``--replay-tau`` the servers replay that mean acceptance length
@@ -30,6 +32,7 @@ With ``--replay-tau`` the servers replay that mean acceptance length
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -274,6 +277,38 @@ def main():
         finally:
             for server in servers.values():
                 server.stop()
+        load = {mode: load_parts(server.log) for mode, server in servers.items()}
+        for mode, parts in load.items():
+            if parts:
+                print(f"{mode}: next() by part over the run: " + ", ".join(
+                    f"{kind} {n} x {1000 * seconds / n:.1f} ms" for kind, (n, seconds) in parts.items()
+                ))
+        if args.json and any(load.values()):
+            written = json.loads(Path(args.json).read_text())
+            written["load"] = {mode: parts for mode, parts in load.items() if parts}
+            Path(args.json).write_text(json.dumps(written, indent=1))
+
+
+# A part of the batch generator's DEBUG load line: "rounds 32% (147 x 22 ms)".
+LOAD_PART = re.compile(r"([a-z][a-z ]*?) \d+% \((\d+) x (\d+) ms\)")
+
+
+def load_parts(log: Path) -> dict:
+    """``{part: (count, seconds)}`` of ``next()`` over a server's run, from
+    its DEBUG load lines (``integration.batch.ServerBatchGenerator``, one
+    every 10 s while busy, means in whole ms; the last part of a window is
+    not logged): rounds of their own apart from rounds that also copied or
+    handed back caches, prefill, first steps, measuring costs. Empty
+    without them."""
+    parts = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if "Batch generator, last" not in line:
+            continue
+        inside = line.split("in next() (", 1)[-1]
+        for kind, count, ms in LOAD_PART.findall(inside):
+            n, seconds = parts.get(kind.strip(), (0, 0.0))
+            parts[kind.strip()] = (n + int(count), seconds + int(count) * int(ms) / 1000)
+    return parts
 
 
 def wave_ratios(result, stock):
