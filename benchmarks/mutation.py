@@ -385,6 +385,57 @@ MUTANTS = [
         "acceptance=Acceptance(self.drafter.max_draft_tokens),",
         ("tests/test_batching.py", "-k", "recent_acceptance"),
     ),
+    # Measuring round costs on this machine (session 9).
+    Mutant(
+        "costs read as the median of their repeats",
+        "mlx_dspark/confidence/costs.py",
+        "    return min(times)",
+        "    return sorted(times)[len(times) // 2]",
+        ("tests/test_confidence.py", "-k", "fastest"),
+    ),
+    Mutant(
+        "profiles measured the old way found again",
+        "mlx_dspark/confidence/costs.py",
+        '            "timing": TIMING,\n',
+        "",
+        ("tests/test_confidence.py", "-k", "measured_another_way"),
+    ),
+    Mutant(
+        "batch costs timed as each round is chosen, after the tokens went out",
+        "mlx_dspark/batching/generator.py",
+        "        if not (measured or under_way):\n            return self._measure(batch, depth)",
+        "        if batch & (batch - 1) == 0 or not (measured or under_way):\n"
+        "            return self._measure(batch, depth)",
+        ("tests/test_batching.py", "-k", "measures_a_few"),
+    ),
+    Mutant(
+        "a batch that left the size being measured drafts under that size's part",
+        "mlx_dspark/batching/generator.py",
+        "        starts = batch & (batch - 1) == 0 or not measured",
+        "        starts = batch & (batch - 1) == 0",
+        ("tests/test_batching.py", "-k", "left_the_size"),
+    ),
+    Mutant(
+        "rounds that hand caches back timed for the policy",
+        "mlx_dspark/batching/generator.py",
+        '    if handed_back:\n        return "rounds handing caches back"',
+        '    if False:\n        return "rounds handing caches back"',
+        ("tests/test_batching.py", "-k", "come_and_go or logs_its_slow"),
+    ),
+    Mutant(
+        "a verify timed on the live caches trims one row short",
+        "mlx_dspark/batching/generator.py",
+        "        for c in rows.target_cache:\n            c.trim(n)",
+        "        for c in rows.target_cache:\n            c.trim(n - 1)",
+        ("tests/test_batching.py", "-k", "timing_round_costs"),
+    ),
+    Mutant(
+        "a pipelined round the costs timing waited for is timed",
+        "mlx_dspark/batching/generator.py",
+        "                self._in_flight.waited_for = True  # the timing waited for it",
+        "                pass",
+        ("tests/test_batching.py", "-k", "costs_timing_waited"),
+    ),
     Mutant(
         "a generation's pacing forgets the drafter's earlier generations",
         "mlx_dspark/speculative/pacing.py",
