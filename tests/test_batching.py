@@ -83,7 +83,7 @@ class RandomPolicy:
         self.random = random.Random(seed)
         self.full = full
 
-    def choose(self, rates, caps, depth):
+    def choose(self, rates, caps, depth, batch=None):
         if self.full and self.random.random() < self.full:
             return max(caps, default=0)
         return self.random.randint(0, max(caps, default=0))
@@ -639,6 +639,60 @@ def test_rounds_in_which_nobody_leaves_do_not_copy_the_batchs_caches(monkeypatch
     ]
 
 
+class NeverDrafts(FixedPolicy):
+    """Rounds of plain batched decoding only, one token per row each:
+    every sequence finishes in a round known in advance. Records the live
+    rows and the batch size of each choice."""
+
+    def __init__(self):
+        self.seen = []
+
+    def choose(self, rates, caps, depth, batch=None):
+        self.seen.append((len(caps), batch))
+        return 0
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["one-by-one", "pipelined"])
+def test_finished_rows_ride_along_until_they_are_half_the_batch(monkeypatch, pipeline):
+    """Taking a finished row out of the batch copies every cache, which on
+    a GPU costs more than a round; so finished rows stay, verifying no
+    drafts and emitting nothing, until they are half the batch. Four
+    requests finishing one by one copy the caches twice (4 rows to 2, 2 to
+    1), not three times; the policy counts the finished rows in the
+    batch's size but not among the sequences that emit; the outputs are
+    the single streams'."""
+    filtered = []
+    original = BatchRollbackKVCache.filter
+    monkeypatch.setattr(
+        BatchRollbackKVCache, "filter",
+        lambda self, keep: (filtered.append(len(keep)), original(self, keep)),
+    )
+    model, drafter = trained("gemma4")
+    policy = NeverDrafts()
+    generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=pipeline)
+    prompts = [[5, 6, 7, 8, 9], [10, 20, 30], [11, 12], [40, 41, 42, 43]]
+    budgets = [3, 5, 7, 9]
+    uids = generator.insert(prompts, max_tokens=budgets)
+    tokens, states = {uid: [] for uid in uids}, []
+    while len(generator._generation) or generator._pending or len(generator._prefill):
+        rows = generator._generation.sequences
+        states.append((len(rows), sum(s.finished for s in rows)))
+        for r in generator.next()[1]:
+            tokens[r.uid].append(r.token)
+    assert [tokens[uid] for uid in uids] == [
+        plain_greedy(model, p, n) for p, n in zip(prompts, budgets)
+    ]
+    # One finished row of four rides along; two of four, or one of two, leave.
+    assert (4, 1) in states and (2, 0) in states and (1, 0) in states
+    assert (3, 0) not in states
+    assert set(filtered) == {2, 1}
+    assert (3, 4) in policy.seen
+    if not pipeline:
+        # Read one by one, finished rows leave right after the round that
+        # made them half the batch.
+        assert not any(0 < 2 * f and 2 * f >= b for b, f in states)
+
+
 @pytest.mark.parametrize("pipeline", [False, True], ids=["one-by-one", "pipelined"])
 def test_a_parked_batchs_drafter_takes_its_rounds_in_at_once(monkeypatch, pipeline):
     """Rounds without drafts keep the target's taps for the drafter, which
@@ -664,7 +718,7 @@ def test_a_parked_batchs_drafter_takes_its_rounds_in_at_once(monkeypatch, pipeli
         rounds = 0
         observed = []
 
-        def choose(self, rates, caps, depth):
+        def choose(self, rates, caps, depth, batch=None):
             self.rounds += 1
             return 0 if self.rounds <= 20 else max(caps, default=0)
 
@@ -712,9 +766,9 @@ def test_rounds_that_copy_caches_for_rows_joining_or_leaving_are_not_timed_for_t
         def __init__(self):
             self.sizes, self.observed = [], []
 
-        def choose(self, rates, caps, depth):
+        def choose(self, rates, caps, depth, batch=None):
             self.sizes.append(len(caps))
-            return super().choose(rates, caps, depth)
+            return super().choose(rates, caps, depth, batch)
 
         def observe(self, seconds):
             self.observed.append(seconds)
@@ -754,7 +808,7 @@ def test_rows_leaving_a_parked_batch_hand_back_the_drafters_entries(monkeypatch,
     class Parked:
         name = "parked"
 
-        def choose(self, rates, caps, depth):
+        def choose(self, rates, caps, depth, batch=None):
             return 0
 
     handed_back = []
@@ -1314,7 +1368,7 @@ class RandomTruncatingPolicy(RandomPolicy):
     """Drafts as ``RandomPolicy``, then verifies a random number of them
     once their confidences are read (any number is lossless at T = 0)."""
 
-    def truncate(self, survival, caps, depth):
+    def truncate(self, survival, caps, depth, batch=None):
         return self.random.randint(0, max(caps, default=0))
 
 
@@ -1370,8 +1424,8 @@ def test_the_cost_policy_verifies_a_calibrated_drafters_rounds_by_confidence():
         policy = untimed_cost_policy(RISING)
         chosen, truncated = [], []
         choose, truncate = policy.choose, policy.truncate
-        policy.choose = lambda *a: chosen.append(choose(*a)) or chosen[-1]
-        policy.truncate = lambda *a: truncated.append(truncate(*a)) or truncated[-1]
+        policy.choose = lambda *a, **kw: chosen.append(choose(*a, **kw)) or chosen[-1]
+        policy.truncate = lambda *a, **kw: truncated.append(truncate(*a, **kw)) or truncated[-1]
         generator = SpeculativeBatchGenerator(model, drafter_, policy=policy)
         tokens, _ = run(generator, [(0, p, dict(max_tokens=[24])) for p in prompts_])
         for i, p in enumerate(prompts_):
@@ -1503,8 +1557,8 @@ def test_the_generator_reports_each_rounds_time_to_the_policy():
         def __init__(self):
             self.chosen, self.observed = [], []
 
-        def choose(self, rates, caps, depth):
-            self.chosen.append(super().choose(rates, caps, depth))
+        def choose(self, rates, caps, depth, batch=None):
+            self.chosen.append(super().choose(rates, caps, depth, batch))
             return self.chosen[-1]
 
         def observe(self, seconds):
@@ -1532,9 +1586,9 @@ def test_a_joining_sequence_starts_from_the_drafters_recent_acceptance():
         def __init__(self):
             self.rates = []
 
-        def choose(self, rates, caps, depth):
+        def choose(self, rates, caps, depth, batch=None):
             self.rates.append(rates)
-            return super().choose(rates, caps, depth)
+            return super().choose(rates, caps, depth, batch)
 
     policy = Recording()
     generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=False)
@@ -1559,6 +1613,26 @@ def test_policy_choice_depends_on_batch_size():
     policy = BatchPolicy(costs)
     assert policy.choose([rates], [4], 100) == 4
     assert policy.choose([rates] * 16, [4] * 16, 100) < 4
+
+
+def test_the_policy_prices_finished_rows_riding_along_but_counts_no_tokens_for_them():
+    """A round of one live sequence and fifteen finished rows costs what a
+    round of sixteen costs, and only the live sequence emits: counted as
+    sixteen emitting rows, plain decoding would look 5x better than it is
+    and the policy would park."""
+    asked = []
+
+    def costs(batch, depth):
+        asked.append(batch)
+        return RoundCosts(draft=0.1, verify=[1.0, 1.2, 1.4, 1.6, 1.8])
+
+    rates = [0.8] * 4
+    policy = BatchPolicy(costs)
+    assert policy.choose([rates], [4], 100, batch=16) == 4
+    assert asked == [16]
+    assert best_drafts([rates] + [[0.0] * 4] * 15, [4] + [0] * 15, costs(16, 100)) == 0
+    assert policy.truncate([[0.8, 0.64, 0.5, 0.4]], [4], 100, batch=16) == 4
+    assert asked[-1] == 16
 
 
 @pytest.mark.parametrize("drafts", [1, 2, 4])

@@ -188,11 +188,14 @@ class BatchPolicy:
         self._chosen = deque()
         self._was_parked = None
 
-    def choose(self, rates, caps, depth: int) -> int:
+    def choose(self, rates, caps, depth: int, batch: Optional[int] = None) -> int:
+        """``k`` for the live sequences' ``rates`` and ``caps``; ``batch``:
+        the rows the round verifies, finished ones riding along included
+        (by default one per live sequence)."""
         if not caps or max(caps) == 0:
             self._chosen.append(None)
             return 0
-        batch = len(caps)
+        batch = batch or len(caps)
         measured = self.costs(batch, depth)
         costs = self.realised(measured, batch)
         k = best_drafts(rates, caps, costs)
@@ -207,7 +210,7 @@ class BatchPolicy:
         else:
             # Parked. Probe now and then, with the drafts that would pay if
             # every draft were accepted; none would: nothing to learn.
-            hopeful = best_drafts([[1.0] * max(caps)] * batch, caps, costs)
+            hopeful = best_drafts([[1.0] * max(caps)] * len(caps), caps, costs)
             self.parked += 1
             if hopeful and self.parked % REPROBE_EVERY == 0:
                 k = hopeful
@@ -235,11 +238,11 @@ class BatchPolicy:
             ratios,
         )
 
-    def truncate(self, survival, caps, depth: int) -> int:
+    def truncate(self, survival, caps, depth: int, batch: Optional[int] = None) -> int:
         """The drafts to verify of a round ``choose`` decided to draft, from
         their predicted survival (``confident_drafts``); the round is then
         observed against the costs of what it verifies."""
-        batch = len(caps)
+        batch = batch or len(caps)
         measured = self.costs(batch, depth)
         k = confident_drafts(survival, caps, self.realised(measured, batch))
         if self._chosen and self._chosen[-1] is not None:
@@ -290,7 +293,7 @@ class FixedPolicy:
 
     name = "fixed"
 
-    def choose(self, rates, caps, depth: int) -> int:
+    def choose(self, rates, caps, depth: int, batch: Optional[int] = None) -> int:
         return max(caps, default=0)
 
 
