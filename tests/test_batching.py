@@ -4,6 +4,7 @@ or leave."""
 
 import copy
 import logging
+import math
 import random
 from collections import Counter
 from unittest import mock
@@ -653,25 +654,31 @@ class NeverDrafts(FixedPolicy):
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["one-by-one", "pipelined"])
-def test_finished_rows_ride_along_until_they_are_half_the_batch(monkeypatch, pipeline):
-    """Taking a finished row out of the batch copies every cache, which on
-    a GPU costs more than a round; so finished rows stay, verifying no
-    drafts and emitting nothing, until they are half the batch. Four
-    requests finishing one by one copy the caches twice (4 rows to 2, 2 to
-    1), not three times; the policy counts the finished rows in the
-    batch's size but not among the sequences that emit; the outputs are
-    the single streams'."""
-    filtered = []
-    original = BatchRollbackKVCache.filter
-    monkeypatch.setattr(
-        BatchRollbackKVCache, "filter",
-        lambda self, keep: (filtered.append(len(keep)), original(self, keep)),
-    )
+def test_finished_rows_ride_along_until_they_cost_what_taking_them_out_costs(monkeypatch, pipeline):
+    """Taking a finished row out of the batch copies every cache; keeping it
+    costs its share of each round. On an injected clock a round takes 1 s
+    and a round after rows left 4 s: the first two requests to finish leave
+    at once (nothing is known of the copy's price yet, and the round after
+    the second prices it at 3 s); the third rides along, verifying no
+    drafts and emitting nothing, for the 12 rounds in which its share of a
+    4-row round (0.25 s) adds up to 3 s, then leaves; the last three leave
+    together. The policy counts the finished row in the batch's size but
+    not among the sequences that emit; the outputs are the single
+    streams'."""
+    clock = Clock()
+    monkeypatch.setattr(generator_module, "time", clock)
     model, drafter = trained("gemma4")
     policy = NeverDrafts()
     generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=pipeline)
-    prompts = [[5, 6, 7, 8, 9], [10, 20, 30], [11, 12], [40, 41, 42, 43]]
-    budgets = [3, 5, 7, 9]
+    collect = generator._collect
+
+    def timed_collect(launched, reuse):
+        clock.now += 4.0 if launched.reshaped else 1.0
+        return collect(launched, reuse)
+
+    monkeypatch.setattr(generator, "_collect", timed_collect)
+    prompts = [[5, 6, 7, 8, 9], [10, 20, 30], [11, 12], [40, 41, 42, 43], [7, 7], [9, 3, 1]]
+    budgets = [2, 8, 12, 30, 30, 30]
     uids = generator.insert(prompts, max_tokens=budgets)
     tokens, states = {uid: [] for uid in uids}, []
     while len(generator._generation) or generator._pending or len(generator._prefill):
@@ -682,15 +689,11 @@ def test_finished_rows_ride_along_until_they_are_half_the_batch(monkeypatch, pip
     assert [tokens[uid] for uid in uids] == [
         plain_greedy(model, p, n) for p, n in zip(prompts, budgets)
     ]
-    # One finished row of four rides along; two of four, or one of two, leave.
-    assert (4, 1) in states and (2, 0) in states and (1, 0) in states
-    assert (3, 0) not in states
-    assert set(filtered) == {2, 1}
-    assert (3, 4) in policy.seen
+    assert (4, 1) in states and (3, 4) in policy.seen
     if not pipeline:
-        # Read one by one, finished rows leave right after the round that
-        # made them half the batch.
-        assert not any(0 < 2 * f and 2 * f >= b for b, f in states)
+        assert (5, 1) not in states  # the first two left at once
+        assert states.count((4, 1)) == 12
+        assert list(generator._copies) == [3.0, 3.0]
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["one-by-one", "pipelined"])
@@ -1615,11 +1618,121 @@ def test_policy_choice_depends_on_batch_size():
     assert policy.choose([rates] * 16, [4] * 16, 100) < 4
 
 
+def riding_along(seed):
+    """A generator whose finished rows ride along until none is left
+    generating or prompts join (taking rows out priced beyond any rent)."""
+
+    def make(model, drafter, **sizes):
+        generator = SpeculativeBatchGenerator(model, drafter, policy=RandomPolicy(seed), **sizes)
+        generator._copies.append(math.inf)
+        return generator
+
+    return make
+
+
+@pytest.mark.parametrize("pair", ["dspark", "assistant"])
+@given(batches())
+def test_batches_whose_finished_rows_ride_along_equal_greedy(pair, case):
+    """Finished rows that stay in drafting rounds (no drafts of their own,
+    their outputs ignored, their caches written past what they handed
+    back) change no other row's output or cache: every request's tokens
+    are its greedy output and the cache it hands back continues a
+    follow-up exactly, with DSpark and with the assistant, which reads the
+    target's K/V of every row."""
+    requests, sizes, seed = case
+    if pair == "dspark":
+        model, drafter = trained("gemma4")
+    else:
+        _, model = assistant_case("e2b")
+        drafter = assistant_for("e2b")
+    check_batch(model, drafter, requests, sizes, seed, follow_up=True, make=riding_along(seed))
+
+
+def test_a_riding_row_removed_by_the_server_leaves_with_the_parked_taps(monkeypatch):
+    """mlx-lm's server removes a request whose client went away, even when
+    it has already finished; a finished row riding along in a parked batch
+    then stays until it leaves by the rule, the drafter taking in the
+    parked rounds first, and the others' outputs and caches are
+    unchanged."""
+    model, drafter = trained("gemma4")
+    generator = riding_along(0)(model, drafter, pipeline=False)
+    generator.policy = NeverDrafts()
+    prompts = [[5, 6, 7, 8, 9], [10, 20, 30], [11, 12]]
+    budgets = [3, 12, 16]
+    uids = generator.insert(prompts, max_tokens=budgets)
+    tokens, finished, removed = {uid: [] for uid in uids}, {}, False
+    while len(finished) < len(uids):
+        for r in generator.next()[1]:
+            tokens[r.uid].append(r.token)
+            if r.finish_reason:
+                finished[r.uid] = r
+        if generator._parked_taps and uids[0] in finished and not removed:
+            assert len(generator._generation) == 3  # it rides along
+            generator.remove([uids[0]])
+            removed = True
+    assert removed
+    assert [tokens[uid] for uid in uids] == [
+        plain_greedy(model, p, n) for p, n in zip(prompts, budgets)
+    ]
+    follow_up, _ = run(generator, [
+        (0, [tokens[uids[2]][-1], 33], dict(max_tokens=[6], caches=[finished[uids[2]].prompt_cache],
+                                            all_tokens=[finished[uids[2]].all_tokens]))
+    ])
+    whole = finished[uids[2]].all_tokens + [tokens[uids[2]][-1], 33]
+    assert follow_up[0] == plain_greedy(model, whole, 6)
+
+
+def test_a_finished_row_riding_along_makes_room_for_a_waiting_request():
+    """With the batch full (``completion_batch_size``), a request waits; when
+    another finishes, its row may ride along, but the waiting request is
+    prefilled at once (its joining makes the finished row leave), not when
+    the finished row would have left."""
+    model, drafter = trained("gemma4")
+    generator = riding_along(0)(model, drafter, completion_batch_size=2, prefill_batch_size=1)
+    generator.policy = NeverDrafts()
+    uids = generator.insert([[5, 6, 7], [10, 20, 30], [11, 12]], max_tokens=[8, 30, 4])
+    calls, first_token, finished_at = 0, {}, {}
+    while len(finished_at) < 3:
+        calls += 1
+        for r in generator.next()[1]:
+            first_token.setdefault(r.uid, calls)
+            if r.finish_reason:
+                finished_at[r.uid] = calls
+    assert first_token[uids[2]] <= finished_at[uids[0]] + 2
+    assert finished_at[uids[2]] < finished_at[uids[1]]
+
+
+def test_only_rounds_after_rows_left_price_taking_rows_out(monkeypatch):
+    """A round after rows joined is slow too (here 4 s against 1 s, on an
+    injected clock), but for work of the rows joining: it prices nothing.
+    The round after the request that finished first left prices taking
+    rows out at its excess over the round before, 3 s."""
+    clock = Clock()
+    monkeypatch.setattr(generator_module, "time", clock)
+    model, drafter = trained("gemma4")
+    generator = SpeculativeBatchGenerator(model, drafter, policy=NeverDrafts(), pipeline=False)
+    collect = generator._collect
+
+    def timed_collect(launched, reuse):
+        clock.now += 4.0 if launched.reshaped else 1.0
+        return collect(launched, reuse)
+
+    monkeypatch.setattr(generator, "_collect", timed_collect)
+    (first,) = generator.insert([[5, 6, 7, 8, 9]], max_tokens=[20])
+    for _ in range(5):
+        generator.next()
+    generator.insert([[10, 20, 30]], max_tokens=[5])
+    finished = set()
+    while len(finished) < 2:
+        finished |= {r.uid for r in generator.next()[1] if r.finish_reason}
+    assert list(generator._copies) == [3.0]
+
+
 def test_the_policy_prices_finished_rows_riding_along_but_counts_no_tokens_for_them():
     """A round of one live sequence and fifteen finished rows costs what a
     round of sixteen costs, and only the live sequence emits: counted as
-    sixteen emitting rows, plain decoding would look 5x better than it is
-    and the policy would park."""
+    sixteen emitting rows, a plain round would look like 16 tokens where it
+    makes 1, and the policy would park."""
     asked = []
 
     def costs(batch, depth):

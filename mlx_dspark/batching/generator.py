@@ -17,18 +17,21 @@ next round's anchor (mlx-lm's ``GenerationBatch`` keeps the same invariant,
 so the server's prompt cache stores what it expects).
 
 A finished sequence's caches are handed back as it finishes, but its row
-stays in the batch, verifying no drafts and emitting nothing, until the
-finished rows are half the batch (``_finished_rows_leave``), rows join or
-the caches are packed. Taking a row out copies every cache of the batch,
-and on a GPU that costs more than a round (12B shapes, 16 rows on an H200:
-about 55 ms on top of a 50 ms round) while a few more rows in the verify
-cost next to nothing; so a batch whose requests finish one by one copies
-its caches about log2(B) times, not B times, and never verifies more than
-twice its live rows.
+may stay in the batch, verifying no drafts and emitting nothing. Taking
+rows out copies every cache of the batch: on a GPU that costs more than a
+round (12B shapes, 16 rows on an H200: 50-150 ms on top of a 50 ms round)
+while a few more rows in a verify cost next to nothing; on a CPU rows cost
+their share of a round. So finished rows leave as in ski rental
+(``_finished_rows_leave``): once what they have cost the rounds they rode
+along in (at most their share of each round's time) reaches what taking
+rows out has cost here (the excess of the rounds after rows left over the
+round before), or when no row is left generating, rows join or caches are
+packed (which copy caches anyway).
 """
 
 import contextlib
 import logging
+import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -65,6 +68,10 @@ from .policy import Acceptance, BatchPolicy, interpolate
 # them in anyway, so a batch parked for long does not hold every round's.
 MAX_PARKED_ROUNDS = 64
 
+# Taking rows out of the batch costs the median of the last few rounds
+# after rows left, less the round before each (``_finished_rows_leave``).
+RECENT_COPIES = 5
+
 # A ``next()`` slower than this is logged (DEBUG) with its parts: on a GPU
 # the first use of a shape compiles kernels, and a server's stalls show.
 SLOW_CALL_SECONDS = 1.0
@@ -73,6 +80,7 @@ SLOW_CALL_SECONDS = 1.0
 # policy learns from these rounds only, and the server's load log times
 # each kind apart.
 TIMED = "rounds"
+RESHAPED = "rounds after rows joined or left"
 
 @dataclass
 class Sequence:
@@ -267,6 +275,12 @@ class SpeculativeBatchGenerator:
         self._num_draft_caches = len(drafter.make_cache())
         self._cost_profile = None
         self._measuring = 0.0  # seconds spent measuring costs
+        # Ski rental for finished rows: what they cost the rounds they rode
+        # along in since rows last left, what taking rows out cost, and the
+        # seconds of the last round of its own since rows last joined.
+        self._rent = 0.0
+        self._copies = deque(maxlen=RECENT_COPIES)
+        self._last_round = None
         # The last ``next()``'s parts: (kind, what, seconds), and what its
         # round did besides drafting and verifying (``_round_kind``).
         self.phases = []
@@ -404,11 +418,13 @@ class SpeculativeBatchGenerator:
         self._pending = deque(s for s in self._pending if s.uid not in uids)
         for rows in self._groups():
             if rows is self._generation and self._in_flight is not None:
-                # Its rows leave once the round in flight is read.
+                # Its rows ride along, finished, from the round in flight on.
                 for s in rows.sequences:
                     s.finished = s.finished or s.uid in uids
                 continue
-            keep = [i for i, s in enumerate(rows.sequences) if s.uid not in uids]
+            # A finished row riding along leaves by the rule, with the parked
+            # taps taken in first (``_where`` does not find it).
+            keep = [i for i, s in enumerate(rows.sequences) if s.finished or s.uid not in uids]
             if len(keep) < len(rows):
                 rows.keep(keep)
         return caches
@@ -447,7 +463,9 @@ class SpeculativeBatchGenerator:
             self._counters.generation_tokens += len(generation_responses)
             self._counters.generation_steps += 1
         self._join()
-        busy = len(self._generation) + len(self._joining)
+        # Finished rows riding along take no place: prompts joining make them leave.
+        live = sum(not s.finished for s in self._generation.sequences)
+        busy = live + len(self._joining)
         if busy >= self.completion_batch_size:
             return [], generation_responses
 
@@ -504,16 +522,38 @@ class SpeculativeBatchGenerator:
             self._drop_finished_rows()
             self._generation.extend(self._joining)
             self._joining = Rows()
+            self._last_round = None
 
     def _drop_finished_rows(self) -> None:
         rows = self._generation
-        rows.keep([b for b, s in enumerate(rows.sequences) if not s.finished])
+        staying = [b for b, s in enumerate(rows.sequences) if not s.finished]
+        if len(staying) < len(rows):
+            self._rent = 0.0
+        rows.keep(staying)
 
     def _finished_rows_leave(self) -> bool:
-        """Whether the finished rows leave the batch after this round: once
-        they are half of it (see the module docstring)."""
+        """Whether the finished rows leave the batch after this round: when
+        none is left generating, or once their rent reaches the price of
+        taking rows out (at once while that price is not known yet; see the
+        module docstring)."""
         finished = sum(s.finished for s in self._generation.sequences)
-        return finished > 0 and 2 * finished >= len(self._generation)
+        if not finished:
+            return False
+        if finished == len(self._generation) or not self._copies:
+            return True
+        return self._rent >= statistics.median(self._copies)
+
+    def _account(self, launched: "Launched", seconds: float) -> None:
+        """Ski rental's books after a round is read in ``seconds``: the
+        finished rows that rode along in it owe their share of it; a round
+        after the caches were copied (rows left, or were packed) prices
+        taking rows out, as its excess over the last round of its own since
+        rows last joined (rows joining add work of their own)."""
+        self._rent += seconds * launched.idle / len(launched.sequences)
+        if self.round_kind == TIMED:
+            self._last_round = seconds
+        elif self.round_kind == RESHAPED and self._last_round is not None:
+            self._copies.append(max(0.0, seconds - self._last_round))
 
     def _rows_for(self, sequences: List[Sequence]) -> Rows:
         """Batch caches for sequences joining, from their prompt caches."""
@@ -736,16 +776,20 @@ class SpeculativeBatchGenerator:
         self.round_kind = _round_kind(self._in_flight, any(r.finish_reason for r in responses))
         if self.round_kind == TIMED and ahead is not None:
             self.round_kind = _round_kind(ahead, False)
+        elapsed = time.perf_counter() - tic - (self._measuring - measuring)
         observe = getattr(self.policy, "observe", None)
         if observe is not None:
-            elapsed = time.perf_counter() - tic - (self._measuring - measuring)
             observe(elapsed if self.round_kind == TIMED else None)
+        self._account(self._in_flight, elapsed)
         self._in_flight = ahead
         if ahead is None:
             rows = self._generation
             if rows.wasteful(self.compact_waste) or self._finished_rows_leave():
+                # The drafter takes the parked rounds in now, so that the round
+                # after the copy pays for the copy alone (``_account``).
                 self._commit_parked()
-                # Packing copies every cache anyway.
+                mx.eval([c.state for c in rows.draft_cache])
+                # Packing copies caches anyway.
                 self._drop_finished_rows()
                 rows.compact(self.compact_waste)
         self._measure_after_round()
@@ -832,6 +876,7 @@ class SpeculativeBatchGenerator:
             anchors=mx.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0],
             took_in_parked=took_in_parked,
             reshaped=reshaped,
+            idle=sum(s.finished for s in sequences),
         )
         for s, n in zip(sequences, drafts_per_row):
             s.in_flight += n + 1
@@ -984,6 +1029,7 @@ class Launched:
     anchors: mx.array  # [B]: the next round's anchors
     took_in_parked: bool = False  # the drafter took in parked rounds' taps too
     reshaped: bool = False  # it also copied caches for rows joined or left
+    idle: int = 0  # finished rows riding along
     waited_for: bool = False  # the host waited for it before reading it
 
     @property
@@ -1004,7 +1050,7 @@ def _round_kind(launched: Launched, handed_back: bool) -> str:
     if handed_back:
         return "rounds handing caches back"
     if launched.reshaped:
-        return "rounds after rows joined or left"
+        return RESHAPED
     if launched.took_in_parked:
         return "rounds taking in parked rounds"
     if launched.waited_for:
