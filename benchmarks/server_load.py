@@ -20,8 +20,9 @@ for S seconds. On MLX-CUDA some shapes compile kernels for seconds the first
 time a machine meets them (kept on disk after that), which favours the
 servers started later; ``--prime`` runs every server at every concurrency
 once before measuring. With ``--log-level DEBUG``, each batched server's
-``next()`` is summed by part at the end (from its load lines: rounds of
-their own, rounds that also copied or handed back caches, prefill, ...).
+``next()`` after priming is summed by part at the end (from its load
+lines: rounds of their own, rounds that also copied or handed back caches,
+prefill, ...).
 
 Default: the bundled tiny Gemma-4 pair on this machine, real acceptance.
 With ``--replay-tau`` the servers replay that mean acceptance length
@@ -30,6 +31,7 @@ With ``--replay-tau`` the servers replay that mean acceptance length
 """
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -254,6 +256,7 @@ def main():
                 for n in progress(args.concurrency, desc="priming"):
                     for mode, server in servers.items():
                         wave(server, n, -2, args.max_tokens, args.prompt_words)
+            primed = datetime.datetime.now()
             results = {}
             for n in args.concurrency:
                 for mode, server in servers.items():  # warm the caches and shapes
@@ -277,10 +280,10 @@ def main():
         finally:
             for server in servers.values():
                 server.stop()
-        load = {mode: load_parts(server.log) for mode, server in servers.items()}
+        load = {mode: load_parts(server.log, primed) for mode, server in servers.items()}
         for mode, parts in load.items():
             if parts:
-                print(f"{mode}: next() by part over the run: " + ", ".join(
+                print(f"{mode}: next() by part after priming: " + ", ".join(
                     f"{kind} {n} x {1000 * seconds / n:.1f} ms" for kind, (n, seconds) in parts.items()
                 ))
         if args.json and any(load.values()):
@@ -293,16 +296,20 @@ def main():
 LOAD_PART = re.compile(r"([a-z][a-z ]*?) \d+% \((\d+) x (\d+) ms\)")
 
 
-def load_parts(log: Path) -> dict:
-    """``{part: (count, seconds)}`` of ``next()`` over a server's run, from
-    its DEBUG load lines (``integration.batch.ServerBatchGenerator``, one
-    every 10 s while busy, means in whole ms; the last part of a window is
-    not logged): rounds of their own apart from rounds that also copied or
-    handed back caches, prefill, first steps, measuring costs. Empty
-    without them."""
+def load_parts(log: Path, since: datetime.datetime) -> dict:
+    """``{part: (count, seconds)}`` of ``next()`` from a server's DEBUG load
+    lines logged after ``since`` (``integration.batch.ServerBatchGenerator``,
+    one every 10 s while busy, means in whole ms; the last part of a window
+    is not logged): rounds of their own apart from rounds that also copied
+    or handed back caches, prefill, first steps, measuring costs. Lines
+    logged during ``--prime`` are left out: its first uses of shapes
+    compile kernels for seconds on MLX-CUDA. Empty without them."""
     parts = {}
     for line in log.read_text(errors="replace").splitlines():
         if "Batch generator, last" not in line:
+            continue
+        logged = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+        if logged < since:
             continue
         inside = line.split("in next() (", 1)[-1]
         for kind, count, ms in LOAD_PART.findall(inside):
