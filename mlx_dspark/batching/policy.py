@@ -5,7 +5,8 @@ one target forward of ``B x (k + 1)`` rows; sequence ``b`` then emits
 ``1 + Σ_{i<=k} Π_{j<=i} a_bj`` tokens on average, ``a_bj`` being its chance
 of accepting draft ``j`` once ``1..j-1`` were accepted. The policy picks the
 ``k`` (``0``: plain batched decoding, the drafter idle) with the most
-expected tokens per second for the whole batch. As the batch grows, the
+expected tokens per second for the whole batch (of those about as fast,
+``NEAR_BEST``, the most drafts). As the batch grows, the
 verify of ``k + 1`` rows per sequence costs more against one row, and the
 best ``k`` falls towards 0.
 
@@ -13,7 +14,7 @@ The measured costs time each forward on its own; a round in the generator
 also pays the host's work, the drafter taking in what was kept, and gains
 from rounds overlapping. So the policy also learns, per batch size, how
 long rounds with and without drafts really take against what the
-measurements predicted (``observe``, the median of recent rounds), and
+measurements predicted (``observe``, the fastest of recent rounds), and
 scales the costs by it (a batch size not seen yet by the nearest one's): a
 batch where drafting looks cheap on paper but is slow in practice parks.
 
@@ -34,7 +35,6 @@ only), never from a later position.
 """
 
 import logging
-import statistics
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Union
@@ -49,11 +49,24 @@ REPROBE_EVERY = 16
 # one-off work (kernels compiled for the new shapes, a few hundred ms each
 # on CUDA; buffers allocated; the cost measurements' after-effects): not
 # observed. After them, a kind's (with drafts or without) realised/predicted
-# ratio is the median of its last few rounds, so that one slow round does
-# not steer the policy for long (a kind observed rarely, such as plain
-# rounds while drafting, keeps its estimate the longest).
+# ratio is that of the fastest of its last few rounds, as the measured costs
+# are the fastest of their repeats: a round is slowed by many things (a
+# shape's later first uses, such as a cache grown past a new size; the host
+# busy elsewhere), never sped up. So slow rounds seen while a server warms up
+# do not keep a kind observed rarely (drafting while parked) looking slow
+# until several probes have replaced them: the first probe as fast as
+# measured does.
 WARM_ROUNDS = 2
 RECENT_ROUNDS = 5
+
+
+# Draft counts whose expected speeds are this near are as fast within the
+# noise of the measured costs, which decides between them at random. The
+# round drafts the most of them: as many tokens per round or more, for next
+# to nothing where the verify's rows cost next to nothing (a GPU), and the
+# same few round shapes round after round rather than a new one, whose first
+# use compiles kernels on MLX-CUDA.
+NEAR_BEST = 0.03
 
 
 @dataclass
@@ -127,16 +140,17 @@ def best_drafts(
     rates: Sequence[Sequence[float]], caps: Sequence[int], costs: RoundCosts
 ) -> int:
     """The ``k`` in ``0..max(caps)`` with the most expected tokens per second
-    for the batch; sequence ``b`` verifies ``min(k, caps[b])`` drafts."""
-    best, best_rate = 0, -1.0
-    for k in range(max(caps, default=0) + 1):
-        if k + 1 > len(costs.verify):
-            break
+    for the batch (sequence ``b`` verifies ``min(k, caps[b])`` drafts); when
+    that is a drafting round, the most drafts within ``NEAR_BEST`` of it."""
+    speeds = []
+    for k in range(min(max(caps, default=0), len(costs.verify) - 1) + 1):
         seconds = costs.verify[k] + (costs.draft if k else 0.0)
         tokens = sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
-        if tokens / seconds > best_rate * (1 + 1e-9):
-            best, best_rate = k, tokens / seconds
-    return best
+        speeds.append(tokens / seconds)
+    fastest = max(speeds)
+    if speeds[0] == fastest:
+        return 0
+    return max(k for k, speed in enumerate(speeds) if k and speed >= fastest * (1 - NEAR_BEST))
 
 
 def confident_drafts(
@@ -158,6 +172,11 @@ def confident_drafts(
             break
         best_k, best_rate = j, rate
     return best_k
+
+
+def _nearest(sizes, batch: int) -> Optional[int]:
+    """The size in ``sizes`` nearest ``batch`` (the smaller of two as near)."""
+    return min(sizes, key=lambda b: (abs(b - batch), b), default=None)
 
 
 class BatchPolicy:
@@ -253,23 +272,39 @@ class BatchPolicy:
         """``costs`` scaled by how long this batch size's rounds (or the
         nearest batch size's) really took against them, with drafts and
         without."""
-        drafting = self._ratio(batch, True) or 1.0
-        plain = self._ratio(batch, False) or 1.0
+        drafting, plain = self._ratios(batch)
         return RoundCosts(
             draft=costs.draft * drafting,
             verify=[costs.verify[0] * plain] + [v * drafting for v in costs.verify[1:]],
         )
 
+    def _ratios(self, batch: int):
+        """The realised/predicted ratios of rounds with drafts and without
+        for ``batch`` (1.0 where nothing is known): a kind this batch size
+        has not run yet takes the ratio of the nearest batch size that ran
+        both kinds, whose two ratios were learnt alike (a kind seen only
+        while the server warmed up keeps its slow rounds the longest), else
+        of the nearest one that ran it."""
+        both = {b for b, _ in self.ratios if (b, True) in self.ratios and (b, False) in self.ratios}
+        paired = _nearest(both, batch)
+        ratios = []
+        for drafted in (True, False):
+            if (batch, drafted) in self.ratios:
+                ratios.append(self.ratios[batch, drafted])
+            elif paired is not None:
+                ratios.append(self.ratios[paired, drafted])
+            else:
+                nearest = self._ratio(batch, drafted)
+                ratios.append(1.0 if nearest is None else nearest)
+        return tuple(ratios)
+
     def _ratio(self, batch: int, drafted: bool) -> Optional[float]:
         """The realised/predicted ratio of rounds of this kind at the
-        nearest batch size that has one (the smaller of two as near), or
-        ``None``: a batch size the server has not run yet starts from its
-        neighbour's overhead, not from none."""
-        known = [b for b, d in self.ratios if d == drafted]
-        if not known:
-            return None
-        nearest = min(known, key=lambda b: (abs(b - batch), b))
-        return self.ratios[nearest, drafted]
+        nearest batch size that has one, or ``None``: a batch size the
+        server has not run yet starts from its neighbour's overhead, not
+        from none."""
+        nearest = _nearest({b for b, d in self.ratios if d == drafted}, batch)
+        return None if nearest is None else self.ratios[nearest, drafted]
 
     def observe(self, seconds: Optional[float]) -> None:
         """The realised time of the oldest round chosen and not yet
@@ -285,7 +320,7 @@ class BatchPolicy:
             return
         kind = (batch, drafted)
         self._recent[kind].append(seconds / predicted)
-        self.ratios[kind] = statistics.median(self._recent[kind])
+        self.ratios[kind] = min(self._recent[kind])
 
 
 class FixedPolicy:
