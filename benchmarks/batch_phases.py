@@ -10,7 +10,8 @@ graph, waiting for the device in the verdict's evaluation, and the host's
 bookkeeping after it. Then, on the
 same caches, the device alone: a drafter call, a verify of ``B x (k + 1)``
 rows and a ``B x 1`` step, each evaluated on its own; and mlx-lm's own
-``BatchGenerator`` step for the same prompts.
+``BatchGenerator`` step for the same prompts. Last, what a finished request
+costs: its caches handed back, and its row leaving (``handback_times``).
 
 Each batch size runs twice: rounds read one by one (``serial``: a round
 costs about ``build_draft + max(draft, build_verify) + verify + post``),
@@ -127,6 +128,60 @@ def device_times(generator, drafts):
     return result
 
 
+def handback_times(generator):
+    """A finished request's hand-back and a row leaving, on the live rows:
+    building every cache's extraction of one row (the host's graph),
+    ``Rows.extract`` whole (build and launch), the device's wait after it;
+    then, twice, the last row taken out of every cache (``Rows.keep``),
+    launched and waited for, with the times of the rounds before and after."""
+    generator.pipeline = False
+    generator.next()  # reads the round in flight: rows change between rounds only
+    rows = generator._generation
+    mx.eval([c.state for c in rows.caches()])
+    build, extract, wait = [], [], []
+    for i in range(len(rows)):
+        end = len(rows.sequences[i].tokens)
+        tic = time.perf_counter()
+        [c.extract(i, end) for c in rows.caches()]
+        build.append(time.perf_counter() - tic)
+        tic = time.perf_counter()
+        caches = rows.extract(i)
+        extract.append(time.perf_counter() - tic)
+        tic = time.perf_counter()
+        mx.eval([c.state for c in caches])
+        wait.append(time.perf_counter() - tic)
+    result = {
+        "caches": len(rows.caches()),
+        "handback_build": 1000 * statistics.median(build),
+        "handback_extract": 1000 * statistics.median(extract),
+        "handback_wait": 1000 * statistics.median(wait),
+    }
+    for leave in range(2):
+        before = rounds_ms(generator, 3)
+        tic = time.perf_counter()
+        rows.keep(list(range(len(rows) - 1)))
+        result[f"leave{leave}_build"] = 1000 * (time.perf_counter() - tic)
+        tic = time.perf_counter()
+        mx.async_eval([c.state for c in rows.caches()])
+        result[f"leave{leave}_launch"] = 1000 * (time.perf_counter() - tic)
+        tic = time.perf_counter()
+        mx.eval([c.state for c in rows.caches()])
+        result[f"leave{leave}_wait"] = 1000 * (time.perf_counter() - tic)
+        # The copies are done: what the rounds after still pay is not theirs.
+        result[f"leave{leave}_rounds_before"] = before
+        result[f"leave{leave}_rounds_after"] = rounds_ms(generator, 4)
+    return result
+
+
+def rounds_ms(generator, count):
+    times = []
+    for _ in range(count):
+        tic = time.perf_counter()
+        generator.next()
+        times.append(round(1000 * (time.perf_counter() - tic), 1))
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=int, default=1)
@@ -156,6 +211,8 @@ def main():
             tag = "pipelined" if pipeline else "serial"
             row.update({f"{tag}_{k}": v for k, v in phases.items()})
         row.update(device_times(generator, args.drafts))
+        if n > 1:
+            row.update(handback_times(generator))
         rows.append(row)
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     if args.json:
