@@ -15,8 +15,9 @@ also pays the host's work, the drafter taking in what was kept, and gains
 from rounds overlapping. So the policy also learns, per batch size, how
 long rounds with and without drafts really take against what the
 measurements predicted (``observe``, the fastest of recent rounds), and
-scales the costs by it (a batch size not seen yet by the nearest one's): a
-batch where drafting looks cheap on paper but is slow in practice parks.
+scales the costs by it (a kind a batch size has not run yet by another
+size's, see ``_ratios``): a batch where drafting looks cheap on paper but is
+slow in practice parks.
 
 With a calibrated drafter (a confidence head and fitted temperatures) the
 policy also looks at the round's own drafts before they are verified
@@ -52,10 +53,12 @@ REPROBE_EVERY = 16
 # ratio is that of the fastest of its last few rounds, as the measured costs
 # are the fastest of their repeats: a round is slowed by many things (a
 # shape's later first uses, such as a cache grown past a new size; the host
-# busy elsewhere), never sped up. So slow rounds seen while a server warms up
-# do not keep a kind observed rarely (drafting while parked) looking slow
-# until several probes have replaced them: the first probe as fast as
-# measured does.
+# busy elsewhere). So slow rounds seen while a server warms up do not keep a
+# kind observed rarely (drafting while parked) looking slow until several
+# probes have replaced them: the first probe as fast as measured does. (A
+# pipelined round read after the host was away ran partly before its read
+# began, and looks faster than it was: it steers the policy for a few rounds
+# of its kind at most.)
 WARM_ROUNDS = 2
 RECENT_ROUNDS = 5
 
@@ -141,16 +144,16 @@ def best_drafts(
 ) -> int:
     """The ``k`` in ``0..max(caps)`` with the most expected tokens per second
     for the batch (sequence ``b`` verifies ``min(k, caps[b])`` drafts); when
-    that is a drafting round, the most drafts within ``NEAR_BEST`` of it."""
+    that is a drafting round, the most drafts within ``NEAR_BEST`` of it and
+    faster than plain decoding."""
     speeds = []
     for k in range(min(max(caps, default=0), len(costs.verify) - 1) + 1):
         seconds = costs.verify[k] + (costs.draft if k else 0.0)
         tokens = sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
         speeds.append(tokens / seconds)
-    fastest = max(speeds)
-    if speeds[0] == fastest:
-        return 0
-    return max(k for k, speed in enumerate(speeds) if k and speed >= fastest * (1 - NEAR_BEST))
+    near = max(speeds, default=0.0) * (1 - NEAR_BEST)
+    drafting = [k for k, speed in enumerate(speeds) if k and speed > speeds[0] and speed >= near]
+    return max(drafting, default=0)
 
 
 def confident_drafts(

@@ -3,8 +3,9 @@ verifies.
 
 Under the ``cost`` scheduler a generation is a speculative batch of one: each
 round proposes the number of drafts with the most expected tokens per second
-from the recent acceptance by position and the measured round costs, and 0
-(a plain decode step, the drafter idle) when speculating is slower; a parked
+(of those about as fast, the most) from the recent acceptance by position and
+the measured round costs, and 0 (a plain decode step, the drafter idle) when
+speculating is slower; a parked
 generation re-probes now and then (``batching.policy``). The verify then runs
 at the cheapest row count at least as long as ``[anchor, drafts]``, padded
 after the drafts: attention is causal, so the real rows' logits are the same,
