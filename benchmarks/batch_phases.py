@@ -175,6 +175,21 @@ def handback_times(generator):
     return result
 
 
+def shape_times(generator, drafts):
+    """Rounds at draft counts the batch has not verified yet, then the same
+    counts again: what a new round shape's first use costs (kernels,
+    plans and buffers made for it), against the same shape reused."""
+    generator.pipeline = False
+    generator.next()
+    result = {}
+    for run in ("first", "again"):
+        for k in (5, 3, 1, 0, drafts):
+            for s in generator._generation.sequences:
+                s.num_draft_tokens = k
+            result[f"shape_{run}_k{k}"] = rounds_ms(generator, 2)
+    return result
+
+
 def rounds_ms(generator, count):
     times = []
     for _ in range(count):
@@ -192,6 +207,7 @@ def main():
     parser.add_argument("--drafts", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--tau", type=float, default=3.3)
+    parser.add_argument("--shapes", action="store_true", help="time new round shapes' first use")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -213,6 +229,8 @@ def main():
             tag = "pipelined" if pipeline else "serial"
             row.update({f"{tag}_{k}": v for k, v in phases.items()})
         row.update(device_times(generator, args.drafts))
+        if args.shapes:
+            row.update(shape_times(generator, args.drafts))
         if n > 1:
             row.update(handback_times(generator))
         rows.append(row)

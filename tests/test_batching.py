@@ -32,6 +32,7 @@ from mlx_dspark.batching.policy import (
     confident_drafts,
     expected_tokens,
     interpolate,
+    round_width,
 )
 from mlx_dspark.cache import SlidingWindowKVCache
 from mlx_dspark.confidence.calibration import Calibration
@@ -76,9 +77,10 @@ from tiny import (
 
 
 class RandomPolicy:
-    """Any number of drafts each round, from a seeded stream: what a batch
-    must survive whatever the real policy chooses. With ``full``, that share
-    of the rounds verifies every draft it may."""
+    """Any number of drafts each round, and any padding after them, from a
+    seeded stream: what a batch must survive whatever the real policy
+    chooses. With ``full``, that share of the rounds verifies every draft it
+    may."""
 
     name = "random"
 
@@ -90,6 +92,9 @@ class RandomPolicy:
         if self.full and self.random.random() < self.full:
             return max(caps, default=0)
         return self.random.randint(0, max(caps, default=0))
+
+    def width(self, drafts, most, depth, batch):
+        return self.random.randint(drafts, max(drafts, most))
 
 
 def run(generator, requests, remove_after=None, logprobs=None):
@@ -1233,6 +1238,68 @@ def test_among_draft_counts_about_as_fast_a_round_drafts_the_most():
     assert best_drafts([[0.13]], [1], RoundCosts(0.001, [0.010, 0.0105])) == 0
     # Speeds 100, 102 and 99 tokens/s: one draft, not two.
     assert best_drafts([[0.2, 0.1]], [2], RoundCosts(0.0, [0.010, 0.011765, 0.012323])) == 1
+
+
+def test_a_round_pads_to_the_most_drafts_that_cost_about_the_same():
+    """Where rows cost next to nothing (the H200's bf16 curve) a round whose
+    sequences may judge 2 drafts still drafts and verifies 7, so its shape
+    does not change as budgets run out. On the H200's 4-bit curve 7 rows
+    cost 56 ms and 8 cost 29 ms: 6 drafts are verified as 7, and 2 (29.5
+    ms) as 7 (29.2), but 1 stays 1 (23.2 ms against 29.2). Where each row
+    costs 10% more, nothing is padded; nor past ``most``."""
+    bf16 = RoundCosts(0.005, [c / 1000 for c in (12.8, 15.7, 15.8, 15.9, 16.1, 16.4, 16.0, 16.1)])
+    assert [round_width(k, 7, bf16) for k in range(8)] == [0] + [7] * 7
+    assert round_width(2, 4, bf16) == 4
+    int4 = RoundCosts(0.005, [c / 1000 for c in (14.3, 23.2, 29.5, 39.3, 43.3, 50.1, 56.1, 29.2, 29.3)])
+    assert [round_width(k, 7, int4) for k in range(8)] == [0, 1, 7, 7, 7, 7, 7, 7]
+    rising = RoundCosts(0.002, [0.010 * (1 + 0.1 * n) for n in range(8)])
+    assert [round_width(k, 7, rising) for k in range(8)] == list(range(8))
+
+
+def test_a_padded_round_is_observed_against_the_cost_of_its_width():
+    """The policy learns a drafting round's realised/predicted ratio against
+    the verify it ran (7 drafts' rows), not the drafts judged (2)."""
+    costs = RoundCosts(0.0, [0.010, 0.012, 0.013] + [0.0133] * 5)
+    policy = BatchPolicy(lambda batch, depth: costs)
+    for _ in range(WARM_ROUNDS + 1):
+        assert policy.choose([[0.9] * 7], [2], depth=10) == 2
+        assert policy.width(2, 7, depth=10, batch=1) == 7
+        policy.observe(0.0266)
+    assert policy.ratios[1, True] == pytest.approx(2.0)
+
+
+def test_padded_rounds_judge_each_rows_own_drafts_and_equal_greedy():
+    """Under flat costs every drafting round drafts and verifies the
+    drafter's whole block, however few drafts a request allows
+    (``num_draft_tokens`` 2) or its budget leaves: each row judges only its
+    own, so its statistics never count more, and every output is its own
+    greedy output."""
+    model, drafter = trained("gemma4")
+    most = drafter.max_draft_tokens
+    costs = RoundCosts(0.001, [0.010] * (most + 1))
+    generator = SpeculativeBatchGenerator(
+        model, drafter, policy=BatchPolicy(lambda batch, depth: costs), pipeline=False
+    )
+    widths, propose = [], generator._propose
+
+    def spy(rows, anchors, k, draw=None):
+        widths.append(k)
+        return propose(rows, anchors, k, draw)
+
+    generator._propose = spy
+    stats = [SpeculativeStats(drafter.name, drafter.block_size) for _ in range(2)]
+    requests = [
+        (0, [5, 6, 7, 8], dict(max_tokens=[9], num_draft_tokens=[2], stats=stats[:1])),
+        (0, [9, 10, 11], dict(max_tokens=[13], stats=stats[1:])),
+    ]
+    tokens, _ = run(generator, requests)
+    for i, (_, prompt, options) in enumerate(requests):
+        assert tokens[i] == reference(model, prompt, options["max_tokens"][0])
+    assert widths and set(widths) == {most}
+    assert max(r.proposed for r in stats[0].history) == 2
+    # The last rounds of the longer request judge what its budget leaves.
+    assert stats[1].history[-1].proposed < most
+    assert all(r.accepted <= r.proposed for s in stats for r in s.history)
 
 
 def test_policy_parks_when_drafting_rounds_really_take_longer(caplog):

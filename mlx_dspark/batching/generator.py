@@ -825,7 +825,7 @@ class SpeculativeBatchGenerator:
         rows = self._generation
         sequences = list(rows.sequences)
         drafts_per_row = self._choose_drafts(rows)
-        k = max(drafts_per_row)
+        k = self._width(rows, max(drafts_per_row))
         contexts = [None if s.finished else s.context() for s in sequences]
         proposal, took_in_parked = None, False
         reshaped, rows.reshaped = rows.reshaped, False
@@ -840,7 +840,7 @@ class SpeculativeBatchGenerator:
             proposal = self._propose(rows, anchors, k, draw)
             if self._truncating() and proposal.confidence is not None:
                 drafts_per_row = self._truncate(rows, proposal, drafts_per_row)
-                k = max(drafts_per_row)
+                k = min(k, self._width(rows, max(drafts_per_row)))
                 # Verifying none of them is a round without drafts; the
                 # drafter's caches are as they were before it drafted.
                 proposal = proposal.first(k) if k else None
@@ -882,6 +882,16 @@ class SpeculativeBatchGenerator:
             s.in_flight += n + 1
         mx.async_eval(launched.outputs(), launched.anchors, [c.state for c in rows.caches()])
         return launched
+
+    def _width(self, rows: Rows, drafts: int) -> int:
+        """How many drafts a round drafts and verifies for each sequence
+        when ``drafts`` at most are judged: the policy's ``width``, else
+        ``drafts``. Rows judge their own drafts only; the rest is padding."""
+        width = getattr(self.policy, "width", None)
+        if not drafts or width is None:
+            return drafts
+        depth = max(len(s.tokens) for s in rows.sequences)
+        return width(drafts, self.drafter.max_draft_tokens, depth, batch=len(rows))
 
     def _truncating(self) -> bool:
         """Whether the policy picks each round's drafts from their calibrated
@@ -964,8 +974,9 @@ class SpeculativeBatchGenerator:
         """Each row's processed log-probabilities, its accepted count and
         ``k + 1`` tokens to emit a prefix of, all on the device: the
         plain-greedy rows in one batched verdict, the others each under its
-        own rule."""
-        k = max(drafts_per_row)
+        own rule. Row ``b`` judges ``drafts_per_row[b]`` of the round's
+        ``k`` drafts."""
+        k = logits.shape[1] - 1
         drafts = proposal.tokens if k else mx.zeros((len(sequences), 0), mx.uint32)
         counts = mx.array(drafts_per_row)
         # A finished row's verdict is never read: judged greedily, it draws
@@ -1034,7 +1045,9 @@ class Launched:
 
     @property
     def k(self) -> int:
-        return max(self.drafts_per_row)
+        """Drafts drafted and verified per row (a row judges its own
+        ``drafts_per_row``, the rest is padding)."""
+        return self.tokens.shape[1] - 1
 
     def outputs(self) -> list:
         """What the host reads: the verdict, and the drafts and confidences

@@ -27,6 +27,14 @@ the expected tokens per second, and stops at the first position that does
 not (the batched form of the paper's Algorithm 1 for one forward of
 ``B x (k + 1)`` rows).
 
+A round drafts and verifies the same number of drafts for every sequence;
+one whose budget allows fewer judges only those, and the rest is padding.
+Where more rows cost about the same (``round_width``), a round pads to the
+most of them: on MLX-CUDA a round whose shape changed (batch size, drafts
+verified) took 40-70 ms more than the rounds around it, even for a shape
+run before (``benchmarks/batch_phases.py --shapes``), and the budgets of
+requests near their end would otherwise change it round after round.
+
 Losslessness when sampling (paper, Appendix A): ``choose`` uses only what
 was known before the round's drafts were drawn, namely the earlier rounds'
 acceptance and times, and the measured costs; ``truncate`` decides whether
@@ -156,6 +164,21 @@ def best_drafts(
     return max(drafting, default=0)
 
 
+def round_width(drafts: int, most: int, costs: RoundCosts) -> int:
+    """How many drafts a round drafts and verifies for each sequence when
+    ``drafts`` at most are judged: of the counts up to ``most`` whose
+    verify costs within ``NEAR_BEST`` of the cheapest at least as long, the
+    most. Where rows cost next to nothing (a GPU), a round keeps one shape
+    whatever its sequences' budgets allow; where more rows cost less (a
+    kernel switch), it takes the cheaper count."""
+    top = min(most, len(costs.verify) - 1)
+    if drafts == 0 or top <= drafts:
+        return drafts
+    widths = range(drafts, top + 1)
+    cheapest = min(costs.verify[w] for w in widths)
+    return max(w for w in widths if costs.verify[w] <= cheapest * (1 + NEAR_BEST))
+
+
 def confident_drafts(
     survival: Sequence[Sequence[float]], caps: Sequence[int], costs: RoundCosts
 ) -> int:
@@ -270,6 +293,16 @@ class BatchPolicy:
         if self._chosen and self._chosen[-1] is not None:
             self._chosen[-1] = (batch, k, True, measured.verify[k] + measured.draft)
         return k
+
+    def width(self, drafts: int, most: int, depth: int, batch: int) -> int:
+        """The drafts a round of at most ``drafts`` judged drafts a sequence
+        drafts and verifies (``round_width``); the round is then observed
+        against the costs of that width."""
+        measured = self.costs(batch, depth)
+        width = round_width(drafts, most, measured)
+        if self._chosen and self._chosen[-1] is not None:
+            self._chosen[-1] = (batch, width, True, measured.verify[width] + measured.draft)
+        return width
 
     def realised(self, costs: RoundCosts, batch: int) -> RoundCosts:
         """``costs`` scaled by how long this batch size's rounds (or the
