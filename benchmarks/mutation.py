@@ -359,6 +359,20 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "about_the_same"),
     ),
     Mutant(
+        "a probe lasts one round",
+        "mlx_dspark/batching/policy.py",
+        "PROBE_ROUNDS = 2",
+        "PROBE_ROUNDS = 1",
+        ("tests/test_batching.py", "-k", "probes_second_round"),
+    ),
+    Mutant(
+        "the round after costs were measured is observed",
+        "mlx_dspark/batching/generator.py",
+        "after_measuring, self._measured = self._measured, False",
+        "after_measuring, self._measured = False, False",
+        ("tests/test_batching.py", "-k", "after_costs_were_measured"),
+    ),
+    Mutant(
         "batch cache cursor reuses slots a row still holds",
         "mlx_dspark/batching/cache.py",
         "self._idx -= min(counts)",

@@ -119,8 +119,12 @@ def estimate(
     """Expected speedup of each way to run the drafter (``drafter`` as
     ``describe_pair`` gives it): ``fixed`` (every draft of the block),
     ``fixed`` with the best ``--num-draft-tokens``, and, for a drafter with
-    confidences, ``cost``, which chooses per round and is estimated at its
-    average, the best number of drafts."""
+    confidences, ``cost``, which chooses per round and is estimated at the
+    number of drafts its rule settles on (``best_drafts``: of the counts
+    about as fast as the best, the most; where it would park, the best)."""
+    from .batching.policy import best_drafts
+    from .confidence.costs import RoundCosts
+
     limit = min(len(survival), len(costs["verify"]) - 1, drafter["max_draft_tokens"])
     block_size = min(drafter["block_size"], limit)
 
@@ -132,7 +136,11 @@ def estimate(
     if best != block_size:
         rows.append({"scheduler": "fixed", **speedup(survival, best, costs)})
     if drafter["confidence"]:
-        rows.append({"scheduler": "cost", **speedup(survival, best, costs)})
+        # Survival to each position's acceptance given the ones before it.
+        survived = [1.0, *survival[:limit]]
+        rates = [s / p if p else 0.0 for p, s in zip(survived, survived[1:])]
+        chosen = best_drafts([rates], [limit], RoundCosts(costs["draft"], costs["verify"]))
+        rows.append({"scheduler": "cost", **speedup(survival, chosen or best, costs)})
     return rows
 
 

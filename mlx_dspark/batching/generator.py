@@ -275,6 +275,7 @@ class SpeculativeBatchGenerator:
         self._num_draft_caches = len(drafter.make_cache())
         self._cost_profile = None
         self._measuring = 0.0  # seconds spent measuring costs
+        self._measured = False  # costs measured since the last round launched
         # Ski rental for finished rows: what they cost the rounds they rode
         # along in since rows last left, what taking rows out cost, and the
         # seconds of the last round of its own since rows last joined.
@@ -717,6 +718,7 @@ class SpeculativeBatchGenerator:
         tic = time.perf_counter()
         costs = profile.costs(depth, timer, batch, most=VERIFIES_MEASURED_PER_ROUND)
         self._measuring += time.perf_counter() - tic
+        self._measured = True
         return costs
 
     def _measure_after_round(self) -> None:
@@ -826,6 +828,7 @@ class SpeculativeBatchGenerator:
         sequences = list(rows.sequences)
         drafts_per_row = self._choose_drafts(rows)
         k = self._width(rows, max(drafts_per_row))
+        after_measuring, self._measured = self._measured, False
         contexts = [None if s.finished else s.context() for s in sequences]
         proposal, took_in_parked = None, False
         reshaped, rows.reshaped = rows.reshaped, False
@@ -876,6 +879,7 @@ class SpeculativeBatchGenerator:
             anchors=mx.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0],
             took_in_parked=took_in_parked,
             reshaped=reshaped,
+            after_measuring=after_measuring,
             idle=sum(s.finished for s in sequences),
         )
         for s, n in zip(sequences, drafts_per_row):
@@ -1040,6 +1044,9 @@ class Launched:
     anchors: mx.array  # [B]: the next round's anchors
     took_in_parked: bool = False  # the drafter took in parked rounds' taps too
     reshaped: bool = False  # it also copied caches for rows joined or left
+    # Launched after costs were timed, whose verifies of other lengths make
+    # the next round's shape a change (see ``policy.PROBE_ROUNDS``).
+    after_measuring: bool = False
     idle: int = 0  # finished rows riding along
     waited_for: bool = False  # the host waited for it before reading it
 
@@ -1068,6 +1075,8 @@ def _round_kind(launched: Launched, handed_back: bool) -> str:
         return "rounds taking in parked rounds"
     if launched.waited_for:
         return "rounds already waited for"  # by prompts evaluated, or costs timed, behind them
+    if launched.after_measuring:
+        return "rounds after costs were measured"
     return TIMED
 
 

@@ -54,6 +54,12 @@ from ..confidence.costs import RoundCosts
 # changes over a conversation, and a parked policy learns nothing new.
 REPROBE_EVERY = 16
 
+# A probe lasts this many rounds: its first changes the round's shape, which
+# costs that round one-off work (on MLX-CUDA 40-70 ms even for a shape run
+# before; in a batch its drafter also takes in the parked rounds), so only
+# the rounds after it show what the probed kind costs.
+PROBE_ROUNDS = 2
+
 # The first rounds of each shape (batch size and drafts verified) pay
 # one-off work (kernels compiled for the new shapes, a few hundred ms each
 # on CUDA; buffers allocated; the cost measurements' after-effects): not
@@ -200,6 +206,12 @@ def confident_drafts(
     return best_k
 
 
+def _probing(rounds: int) -> bool:
+    """Whether the ``rounds``-th round of a kind is part of a probe of the
+    other kind: the first ``PROBE_ROUNDS`` of every ``REPROBE_EVERY``."""
+    return rounds >= REPROBE_EVERY and rounds % REPROBE_EVERY < PROBE_ROUNDS
+
+
 def _nearest(sizes, batch: int) -> Optional[int]:
     """The size in ``sizes`` nearest ``batch`` (the smaller of two as near)."""
     return min(sizes, key=lambda b: (abs(b - batch), b), default=None)
@@ -250,14 +262,14 @@ class BatchPolicy:
             self.drafting += 1
             # A policy that never ran plain does not know what that really
             # costs: try one plain round now and then.
-            if self._ratio(batch, False) is None and self.drafting % REPROBE_EVERY == 0:
+            if self._ratio(batch, False) is None and _probing(self.drafting):
                 k = 0
         else:
             # Parked. Probe now and then, with the drafts that would pay if
             # every draft were accepted; none would: nothing to learn.
             hopeful = best_drafts([[1.0] * max(caps)] * len(caps), caps, costs)
             self.parked += 1
-            if hopeful and self.parked % REPROBE_EVERY == 0:
+            if hopeful and _probing(self.parked):
                 k = hopeful
         predicted = measured.verify[k] + (measured.draft if k else 0.0)
         self._chosen.append((batch, k, k > 0, predicted))
