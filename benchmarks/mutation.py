@@ -373,6 +373,20 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "after_costs_were_measured"),
     ),
     Mutant(
+        "a round pads up to the drafter's most drafts, not its rows'",
+        "mlx_dspark/batching/generator.py",
+        "            most = max(s.num_draft_tokens for s in rows.sequences if not s.finished)",
+        "            most = self.drafter.max_draft_tokens",
+        ("tests/test_batching.py", "-k", "padded_rounds"),
+    ),
+    Mutant(
+        "a policy that times no rounds probes plain rounds",
+        "mlx_dspark/batching/policy.py",
+        "            if self._observed and self._ratio(batch, False) is None and _probing(self.drafting, probe):",
+        "            if self._ratio(batch, False) is None and _probing(self.drafting, probe):",
+        ("tests/test_pacing.py", "-k", "jagged"),
+    ),
+    Mutant(
         "batch cache cursor reuses slots a row still holds",
         "mlx_dspark/batching/cache.py",
         "self._idx -= min(counts)",

@@ -121,7 +121,8 @@ def estimate(
     ``fixed`` with the best ``--num-draft-tokens``, and, for a drafter with
     confidences, ``cost``, which chooses per round and is estimated at the
     number of drafts its rule settles on (``best_drafts``: of the counts
-    about as fast as the best, the most; where it would park, the best)."""
+    about as fast as the best, the most). Where its rule would park, the
+    row shows what drafting the best count would give (below 1x)."""
     from .batching.policy import best_drafts
     from .confidence.costs import RoundCosts
 

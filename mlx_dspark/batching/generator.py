@@ -843,7 +843,7 @@ class SpeculativeBatchGenerator:
             proposal = self._propose(rows, anchors, k, draw)
             if self._truncating() and proposal.confidence is not None:
                 drafts_per_row = self._truncate(rows, proposal, drafts_per_row)
-                k = min(k, self._width(rows, max(drafts_per_row)))
+                k = self._width(rows, max(drafts_per_row), most=k)
                 # Verifying none of them is a round without drafts; the
                 # drafter's caches are as they were before it drafted.
                 proposal = proposal.first(k) if k else None
@@ -887,15 +887,19 @@ class SpeculativeBatchGenerator:
         mx.async_eval(launched.outputs(), launched.anchors, [c.state for c in rows.caches()])
         return launched
 
-    def _width(self, rows: Rows, drafts: int) -> int:
+    def _width(self, rows: Rows, drafts: int, most: Optional[int] = None) -> int:
         """How many drafts a round drafts and verifies for each sequence
-        when ``drafts`` at most are judged: the policy's ``width``, else
+        when ``drafts`` at most are judged: the policy's ``width``, up to
+        ``most`` (by default the most any generating sequence may verify,
+        not the drafter's most, which may be far more drafter steps), else
         ``drafts``. Rows judge their own drafts only; the rest is padding."""
         width = getattr(self.policy, "width", None)
         if not drafts or width is None:
             return drafts
+        if most is None:
+            most = max(s.num_draft_tokens for s in rows.sequences if not s.finished)
         depth = max(len(s.tokens) for s in rows.sequences)
-        return width(drafts, self.drafter.max_draft_tokens, depth, batch=len(rows))
+        return width(drafts, most, depth, batch=len(rows))
 
     def _truncating(self) -> bool:
         """Whether the policy picks each round's drafts from their calibrated

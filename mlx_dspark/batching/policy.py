@@ -54,10 +54,12 @@ from ..confidence.costs import RoundCosts
 # changes over a conversation, and a parked policy learns nothing new.
 REPROBE_EVERY = 16
 
-# A probe lasts this many rounds: its first changes the round's shape, which
-# costs that round one-off work (on MLX-CUDA 40-70 ms even for a shape run
-# before; in a batch its drafter also takes in the parked rounds), so only
-# the rounds after it show what the probed kind costs.
+# A probe lasts this many rounds where rounds' times are observed: its first
+# changes the round's shape, which costs that round one-off work (on MLX-CUDA
+# 40-70 ms even for a shape run before; in a batch its drafter also takes in
+# the parked rounds), so only the rounds after it show what the probed kind
+# costs. (A single stream's pacing observes no times: its probes learn
+# acceptance, one round each.)
 PROBE_ROUNDS = 2
 
 # The first rounds of each shape (batch size and drafts verified) pay
@@ -206,10 +208,10 @@ def confident_drafts(
     return best_k
 
 
-def _probing(rounds: int) -> bool:
+def _probing(rounds: int, length: int) -> bool:
     """Whether the ``rounds``-th round of a kind is part of a probe of the
-    other kind: the first ``PROBE_ROUNDS`` of every ``REPROBE_EVERY``."""
-    return rounds >= REPROBE_EVERY and rounds % REPROBE_EVERY < PROBE_ROUNDS
+    other kind: the first ``length`` of every ``REPROBE_EVERY``."""
+    return rounds >= REPROBE_EVERY and rounds % REPROBE_EVERY < length
 
 
 def _nearest(sizes, batch: int) -> Optional[int]:
@@ -244,6 +246,7 @@ class BatchPolicy:
         # round chosen and not yet observed, oldest first.
         self._chosen = deque()
         self._was_parked = None
+        self._observed = False  # whether rounds' times are observed at all
 
     def choose(self, rates, caps, depth: int, batch: Optional[int] = None) -> int:
         """``k`` for the live sequences' ``rates`` and ``caps``; ``batch``:
@@ -257,19 +260,20 @@ class BatchPolicy:
         costs = self.realised(measured, batch)
         k = best_drafts(rates, caps, costs)
         self._log_switch(k, max(caps), batch, depth, costs)
+        probe = PROBE_ROUNDS if self._observed else 1
         if k:
             self.parked = 0
             self.drafting += 1
-            # A policy that never ran plain does not know what that really
-            # costs: try one plain round now and then.
-            if self._ratio(batch, False) is None and _probing(self.drafting):
+            # A policy whose rounds are timed but never ran plain does not
+            # know what that really costs: try plain rounds now and then.
+            if self._observed and self._ratio(batch, False) is None and _probing(self.drafting, probe):
                 k = 0
         else:
             # Parked. Probe now and then, with the drafts that would pay if
             # every draft were accepted; none would: nothing to learn.
             hopeful = best_drafts([[1.0] * max(caps)] * len(caps), caps, costs)
             self.parked += 1
-            if hopeful and _probing(self.parked):
+            if hopeful and _probing(self.parked, probe):
                 k = hopeful
         predicted = measured.verify[k] + (measured.draft if k else 0.0)
         self._chosen.append((batch, k, k > 0, predicted))
@@ -307,9 +311,9 @@ class BatchPolicy:
         return k
 
     def width(self, drafts: int, most: int, depth: int, batch: int) -> int:
-        """The drafts a round of at most ``drafts`` judged drafts a sequence
-        drafts and verifies (``round_width``); the round is then observed
-        against the costs of that width."""
+        """How many drafts each sequence drafts and verifies when at most
+        ``drafts`` are judged (``round_width``); the round is observed at
+        that width."""
         measured = self.costs(batch, depth)
         width = round_width(drafts, most, measured)
         if self._chosen and self._chosen[-1] is not None:
@@ -359,6 +363,7 @@ class BatchPolicy:
         observed (the generator reads rounds in the order they were
         chosen); ``None`` for a round whose time is not its own (it also
         did work deferred from other rounds)."""
+        self._observed = True
         chosen = self._chosen.popleft() if self._chosen else None
         if chosen is None or seconds is None:
             return
