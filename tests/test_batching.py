@@ -1680,8 +1680,8 @@ def test_a_server_whose_requests_come_and_go_keeps_drafting_where_it_pays(monkey
 
 def test_policy_tries_a_plain_round_when_it_never_ran_one():
     """Rounds that draft every time never tell the policy what a plain
-    round really costs: every 16th drafting round starts a plain probe (of
-    two rounds) until one was observed."""
+    round really costs: the 16th drafting round starts a plain probe that
+    lasts until one plain round was observed."""
     costs = RoundCosts(draft=0.002, verify=[0.010] * 5)
     policy = BatchPolicy(lambda batch, depth: costs)
     choices = []
@@ -1689,7 +1689,45 @@ def test_policy_tries_a_plain_round_when_it_never_ran_one():
         choices.append(policy.choose([[0.6] * 4], [4], 100))
         policy.observe(0.01)
     # The first two plain rounds warm up; the third one is observed.
-    assert [i for i, k in enumerate(choices) if not k] == [15, 16, 31]
+    assert [i for i, k in enumerate(choices) if not k] == [15, 16, 17]
+
+
+def test_a_fresh_servers_one_client_learns_what_a_plain_round_costs_from_one_probe():
+    """As a pipelined server reports them: each round's time after the
+    next round was chosen, and none for a plain round whose read built a
+    drafting round (it took in the parked rounds' taps). One probe of
+    consecutive plain rounds teaches the policy what a plain round costs
+    (two-round probes, each observing only their first round, took three
+    probes: plain rounds and shape changes over a fresh server's first
+    requests)."""
+    costs = RoundCosts(draft=0.002, verify=[0.010] * 5)
+    policy = BatchPolicy(lambda batch, depth: costs)
+    choices = []
+    for _ in range(100):
+        choices.append(policy.choose([[0.6] * 4], [4], 100))
+        if len(choices) > 1:
+            before, after = choices[-2:]
+            policy.observe(None if not before and after else costs.verify[before] + (costs.draft if before else 0))
+    plain = [i for i, k in enumerate(choices) if not k]
+    assert plain == list(range(15, 15 + WARM_ROUNDS + 2))
+    assert (1, False) in policy.ratios
+
+
+def test_a_parked_policy_learns_what_drafting_costs_from_one_probe():
+    """Parked from its first round (the measured costs say drafting does
+    not pay), a policy that never observed a drafting round probes until
+    one is observed, then keeps to short probes."""
+    costs = RoundCosts(draft=0.010, verify=[0.010] + [0.030] * 4)
+    policy = BatchPolicy(lambda batch, depth: costs)
+    choices = []
+    for _ in range(2 * REPROBE_EVERY + 8):
+        k = policy.choose([[0.6] * 4], [4], 100)
+        choices.append(k)
+        policy.observe(costs.verify[k] + (costs.draft if k else 0))
+    drafted = [i for i, k in enumerate(choices) if k]
+    assert drafted[: WARM_ROUNDS + 1] == list(range(15, 15 + WARM_ROUNDS + 1))
+    assert (1, True) in policy.ratios
+    assert drafted[WARM_ROUNDS + 1 :] == [31, 32]
 
 
 def test_a_pipelined_round_the_prompts_waited_for_is_not_timed_for_the_policy(monkeypatch):
@@ -1763,6 +1801,56 @@ def test_the_generator_reports_each_rounds_time_to_the_policy():
         timed = [seconds for seconds in policy.observed if seconds is not None]
         assert len(timed) >= len(policy.observed) - 2 - pipeline
         assert all(seconds > 0 for seconds in timed)
+
+
+def test_a_pipelined_round_is_timed_from_the_last_read_and_not_at_all_when_done_while_the_server_was_away(monkeypatch):
+    """A round launched ahead runs on the device from the last round's read
+    on, also while the server is away between calls. It is timed from that
+    read, so a short absence counts in full; after an absence longer than
+    the server then waits, the round may have been done before the server
+    came back, and it teaches the policy nothing (timed from the call, it
+    would look almost free). Rounds launched within their call are timed
+    from its start. (An injected clock: reading a round takes 10 ms.)"""
+    model, drafter = trained("gemma4")
+
+    class Recording(FixedPolicy):
+        def __init__(self):
+            self.observed = []
+
+        def observe(self, seconds):
+            self.observed.append(seconds)
+
+    clock = [0.0]
+    monkeypatch.setattr(generator_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+
+    def observed(gap):
+        policy = Recording()
+        generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=True)
+        collect = generator._collect
+        monkeypatch.setattr(generator, "_collect", lambda launched, reuse: (
+            clock.__setitem__(0, clock[0] + 0.010), collect(launched, reuse))[1])
+        generator.insert([[5, 6, 7, 8, 9]], max_tokens=[40])
+        ahead, kinds, tokens = [], [], []
+        while len(tokens) < 40:
+            launched_ahead = generator._in_flight is not None
+            tokens += [r.token for r in generator.next()[1]]
+            if len(policy.observed) > len(ahead):
+                ahead.append(launched_ahead)
+                kinds.append(generator.round_kind)
+            clock[0] += gap
+        assert tokens == plain_greedy(model, [5, 6, 7, 8, 9], 40)
+        return list(zip(ahead, policy.observed)), kinds
+
+    present, _ = observed(0.0)
+    assert [t for _, t in present if t is not None] == pytest.approx([0.010] * sum(t is not None for _, t in present))
+    assert sum(a and t is not None for a, t in present) >= 3 and any(not a and t for a, t in present)
+    short, _ = observed(0.005)
+    assert [t for _, t in short] == [
+        None if t is None else pytest.approx(t + 0.005 * a) for a, t in present
+    ]
+    away, kinds = observed(10.0)
+    assert [t for _, t in away] == [None if a or t is None else pytest.approx(t) for a, t in present]
+    assert kinds.count("rounds read after the server was away") == sum(a and t is not None for a, t in present)
 
 
 def test_a_joining_sequence_starts_from_the_drafters_recent_acceptance():

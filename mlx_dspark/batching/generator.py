@@ -81,6 +81,7 @@ SLOW_CALL_SECONDS = 1.0
 # each kind apart.
 TIMED = "rounds"
 RESHAPED = "rounds after rows joined or left"
+AWAY = "rounds read after the server was away"
 
 @dataclass
 class Sequence:
@@ -276,6 +277,8 @@ class SpeculativeBatchGenerator:
         self._cost_profile = None
         self._measuring = 0.0  # seconds spent measuring costs
         self._measured = False  # costs measured since the last round launched
+        # When the last round was read, and ``_measuring`` then.
+        self._last_read = (0.0, 0.0)
         # Ski rental for finished rows: what they cost the rounds they rode
         # along in since rows last left, what taking rows out cost, and the
         # seconds of the last round of its own since rows last joined.
@@ -766,19 +769,34 @@ class SpeculativeBatchGenerator:
         """Read one round; before that, launch the next one when nothing
         has to wait for the host (see ``_can_overlap``). The policy learns
         how long the round took (measuring costs aside), unless that time is
-        not its own (``_round_kind``)."""
+        not its own (``_round_kind``).
+
+        A round launched ahead ran on the device from the last round's read
+        on, also while the server was away between calls: it is timed from
+        that read. Where the server was away longer than it then waited, the
+        round may have been done before it came back; its time is unknown
+        (timed from this call, it would look almost free)."""
         tic, measuring = time.perf_counter(), self._measuring
-        if self._in_flight is None:
+        launched_ahead = self._in_flight is not None
+        if not launched_ahead:
             self._in_flight = self._launch(self._anchors())
         ahead = None
         if self._can_overlap():
             ahead = self._launch(self._in_flight.anchors)
         responses = self._collect(self._in_flight, reuse=ahead is None)
+        read = time.perf_counter()
         # Handing finished rows' caches back is no round's cost either.
         self.round_kind = _round_kind(self._in_flight, any(r.finish_reason for r in responses))
         if self.round_kind == TIMED and ahead is not None:
             self.round_kind = _round_kind(ahead, False)
-        elapsed = time.perf_counter() - tic - (self._measuring - measuring)
+        elapsed = read - tic - (self._measuring - measuring)
+        if launched_ahead:
+            last_read, last_measuring = self._last_read
+            away = tic - last_read - (measuring - last_measuring)
+            if self.round_kind == TIMED and away > elapsed:
+                self.round_kind = AWAY
+            elapsed += away
+        self._last_read = (read, self._measuring)
         observe = getattr(self.policy, "observe", None)
         if observe is not None:
             observe(elapsed if self.round_kind == TIMED else None)

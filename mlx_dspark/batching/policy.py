@@ -71,12 +71,21 @@ PROBE_ROUNDS = 2
 # shape's later first uses, such as a cache grown past a new size; the host
 # busy elsewhere). So slow rounds seen while a server warms up do not keep a
 # kind observed rarely (drafting while parked) looking slow until several
-# probes have replaced them: the first probe as fast as measured does. (A
-# pipelined round read after the host was away ran partly before its read
-# began, and looks faster than it was: it steers the policy for a few rounds
-# of its kind at most.)
+# probes have replaced them: the first probe as fast as measured does. (The
+# generator times a pipelined round from the read of the round before it,
+# and not at all when it may have been done before the host came back:
+# no round looks faster than it was.)
 WARM_ROUNDS = 2
 RECENT_ROUNDS = 5
+
+# A probe of a kind of which no round was observed yet lasts until one is,
+# this many rounds at most: its shape's first rounds warm up, and in a
+# batch its last round's read also builds the next round, which takes in
+# the parked rounds' taps, so a probe of ``PROBE_ROUNDS`` would observe
+# nothing, and a fresh server would probe every ``REPROBE_EVERY`` rounds for
+# several requests. Pipelined, the observation arrives a round late: a
+# probe of ``WARM_ROUNDS + 2`` rounds where every round is timed.
+LEARNING_ROUNDS = 2 * (WARM_ROUNDS + 1)
 
 
 # Draft counts whose expected speeds are this near are as fast within the
@@ -260,24 +269,30 @@ class BatchPolicy:
         costs = self.realised(measured, batch)
         k = best_drafts(rates, caps, costs)
         self._log_switch(k, max(caps), batch, depth, costs)
-        probe = PROBE_ROUNDS if self._observed else 1
         if k:
             self.parked = 0
             self.drafting += 1
             # A policy whose rounds are timed but never ran plain does not
-            # know what that really costs: try plain rounds now and then.
-            if self._observed and self._ratio(batch, False) is None and _probing(self.drafting, probe):
+            # know what that really costs: try plain rounds until it does.
+            if self._observed and self._ratio(batch, False) is None and _probing(self.drafting, LEARNING_ROUNDS):
                 k = 0
         else:
             # Parked. Probe now and then, with the drafts that would pay if
             # every draft were accepted; none would: nothing to learn.
             hopeful = best_drafts([[1.0] * max(caps)] * len(caps), caps, costs)
             self.parked += 1
-            if hopeful and _probing(self.parked, probe):
+            if hopeful and _probing(self.parked, self._probe_rounds(batch)):
                 k = hopeful
         predicted = measured.verify[k] + (measured.draft if k else 0.0)
         self._chosen.append((batch, k, k > 0, predicted))
         return k
+
+    def _probe_rounds(self, batch: int) -> int:
+        """How long a parked policy's probe of drafting lasts (see
+        ``PROBE_ROUNDS`` and ``LEARNING_ROUNDS``)."""
+        if not self._observed:
+            return 1
+        return PROBE_ROUNDS if self._ratio(batch, True) is not None else LEARNING_ROUNDS
 
     def _log_switch(self, k, cap, batch, depth, costs):
         """A debug line whenever the policy starts or stops drafting: what
