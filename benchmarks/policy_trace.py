@@ -7,7 +7,7 @@ acceptance as ``batch.py``). Printed per policy: decode tokens/s, and by the
 number of drafts a round verified, how many rounds and their median
 realised time (the time ``SpeculativeBatchGenerator`` reports to the
 policy); for the cost policy also the predicted time behind each choice and
-the policy's ratios at the end. ``--rounds`` prints every cost round.
+the policy's overheads at the end. ``--rounds`` prints every cost round.
 """
 
 import argparse
@@ -111,7 +111,9 @@ def main():
                 )
             row = {"batch": n, "policy": policy.name, "wave": wave, "tokens_per_s": speed, "by_drafts": by_drafts(policy.rounds)}
             if policy.name == "cost":
-                row["ratios"] = {f"{b} {'drafted' if d else 'plain'}": r for (b, d), r in policy.ratios.items()}
+                row["overheads_ms"] = {
+                    f"{b} {'drafted' if d else 'plain'}": round(1000 * o, 2) for (b, d), o in policy.overheads.items()
+                }
                 if args.rounds:
                     row["rounds"] = policy.rounds
             results.append(row)
@@ -120,8 +122,8 @@ def main():
                 + (f" (pred {g['predicted_ms']:.1f})" if g["predicted_ms"] else "")
                 for k, g in row["by_drafts"].items()
             ), flush=True)
-            if "ratios" in row:
-                print(f"      ratios {row['ratios']}", flush=True)
+            if "overheads_ms" in row:
+                print(f"      overheads (ms) {row['overheads_ms']}", flush=True)
             for r in row.get("rounds", []):
                 print(f"      k={r['drafts']} depth {r['depth']} pred {1000 * (r['predicted'] or 0):.1f} ms real {1000 * r['seconds']:.1f} ms")
     if args.json:

@@ -11,13 +11,18 @@ verify of ``k + 1`` rows per sequence costs more against one row, and the
 best ``k`` falls towards 0.
 
 The measured costs time each forward on its own; a round in the generator
-also pays the host's work, the drafter taking in what was kept, and gains
-from rounds overlapping. So the policy also learns, per batch size, how
-long rounds with and without drafts really take against what the
-measurements predicted (``observe``, the fastest of recent rounds), and
-scales the costs by it (a kind a batch size has not run yet by another
-size's, see ``_ratios``): a batch where drafting looks cheap on paper but is
-slow in practice parks.
+also pays the host's work (building the round's graphs, reading it, the
+responses) and the drafter taking in what was kept. So the policy also
+learns, per batch size, how much longer rounds with and without drafts
+really take than the measurements predicted (``observe``, the fastest of
+recent rounds), and adds that to the costs (a kind a batch size has not run
+yet takes another size's, see ``_overheads``): a batch where drafting looks
+cheap on paper but is slow in practice parks. The overhead is added, not
+multiplied: the host's work is much the same whatever the rows verified,
+and the server does it between the rounds' device work, not during it. (As
+a ratio it made every further draft look dearer than it is: on the H200
+at 12B shapes, rounds at one sequence took 35 ms beyond their forwards, and
+the policy verified 3 drafts where 7 paid.)
 
 With a calibrated drafter (a confidence head and fitted temperatures) the
 policy also looks at the round's own drafts before they are verified
@@ -65,8 +70,8 @@ PROBE_ROUNDS = 2
 # The first rounds of each shape (batch size and drafts verified) pay
 # one-off work (kernels compiled for the new shapes, a few hundred ms each
 # on CUDA; buffers allocated; the cost measurements' after-effects): not
-# observed. After them, a kind's (with drafts or without) realised/predicted
-# ratio is that of the fastest of its last few rounds, as the measured costs
+# observed. After them, a kind's (with drafts or without) overhead beyond
+# the prediction is that of the fastest of its last few rounds, as the measured costs
 # are the fastest of their repeats: a round is slowed by many things (a
 # shape's later first uses, such as a cache grown past a new size; the host
 # busy elsewhere). So slow rounds seen while a server warms up do not keep a
@@ -245,10 +250,11 @@ class BatchPolicy:
         self.costs = costs
         self.parked = 0
         self.drafting = 0
-        # (batch size, drafted) -> realised / predicted seconds of a round.
-        self.ratios = {}
+        # (batch size, drafted) -> seconds a round takes beyond its
+        # predicted forwards.
+        self.overheads = {}
         # (batch size, drafts) -> rounds seen; (batch size, drafted) -> the
-        # recent ratios.
+        # recent overheads.
         self._seen = Counter()
         self._recent = defaultdict(lambda: deque(maxlen=RECENT_ROUNDS))
         # (batch size, drafts verified, drafted, predicted seconds) of each
@@ -274,7 +280,7 @@ class BatchPolicy:
             self.drafting += 1
             # A policy whose rounds are timed but never ran plain does not
             # know what that really costs: try plain rounds until it does.
-            if self._observed and self._ratio(batch, False) is None and _probing(self.drafting, LEARNING_ROUNDS):
+            if self._observed and self._overhead(batch, False) is None and _probing(self.drafting, LEARNING_ROUNDS):
                 k = 0
         else:
             # Parked. Probe now and then, with the drafts that would pay if
@@ -292,26 +298,28 @@ class BatchPolicy:
         ``PROBE_ROUNDS`` and ``LEARNING_ROUNDS``)."""
         if not self._observed:
             return 1
-        return PROBE_ROUNDS if self._ratio(batch, True) is not None else LEARNING_ROUNDS
+        return PROBE_ROUNDS if self._overhead(batch, True) is not None else LEARNING_ROUNDS
 
     def _log_switch(self, k, cap, batch, depth, costs):
         """A debug line whenever the policy starts or stops drafting: what
-        it predicted, and the realised/predicted ratios behind it."""
+        it predicted, and the overheads (ms) behind it."""
         if (k == 0) == self._was_parked:
             return
         self._was_parked = k == 0
         shown = k or min(cap, len(costs.verify) - 1)
         drafted = f", {shown} drafts {1000 * (costs.verify[shown] + costs.draft):.1f} ms" if shown else ""
-        ratios = {f"{b} {'drafted' if d else 'plain'}": round(r, 2) for (b, d), r in self.ratios.items()}
+        overheads = {
+            f"{b} {'drafted' if d else 'plain'}": round(1000 * o, 1) for (b, d), o in self.overheads.items()
+        }
         logging.debug(
             "Batch policy %s at batch %d, depth %d: a round predicted plain "
-            "%.1f ms%s; realised/predicted %s",
+            "%.1f ms%s; overheads %s",
             "drafts" if k else "parks",
             batch,
             depth,
             1000 * costs.verify[0],
             drafted,
-            ratios,
+            overheads,
         )
 
     def truncate(self, survival, caps, depth: int, batch: Optional[int] = None) -> int:
@@ -336,42 +344,42 @@ class BatchPolicy:
         return width
 
     def realised(self, costs: RoundCosts, batch: int) -> RoundCosts:
-        """``costs`` scaled by how long this batch size's rounds (or the
-        nearest batch size's) really took against them, with drafts and
-        without."""
-        drafting, plain = self._ratios(batch)
+        """``costs`` with what this batch size's rounds (or the nearest
+        batch size's) really took beyond them added, with drafts (to the
+        drafter's cost, which every drafting round pays) and without."""
+        drafting, plain = self._overheads(batch)
         return RoundCosts(
-            draft=costs.draft * drafting,
-            verify=[costs.verify[0] * plain] + [v * drafting for v in costs.verify[1:]],
+            draft=costs.draft + drafting,
+            verify=[costs.verify[0] + plain] + list(costs.verify[1:]),
         )
 
-    def _ratios(self, batch: int):
-        """The realised/predicted ratios of rounds with drafts and without
-        for ``batch`` (1.0 where nothing is known): a kind this batch size
-        has not run yet takes the ratio of the nearest batch size that ran
-        both kinds, whose two ratios were learnt alike (a kind seen only
-        while the server warmed up keeps its slow rounds the longest), else
-        of the nearest one that ran it."""
-        both = {b for b, _ in self.ratios if (b, True) in self.ratios and (b, False) in self.ratios}
+    def _overheads(self, batch: int):
+        """The overheads of rounds with drafts and without for ``batch``
+        (none where nothing is known): a kind this batch size has not run
+        yet takes the overhead of the nearest batch size that ran both
+        kinds, whose two overheads were learnt alike (a kind seen only while
+        the server warmed up keeps its slow rounds the longest), else of the
+        nearest one that ran it."""
+        known = self.overheads
+        both = {b for b, _ in known if (b, True) in known and (b, False) in known}
         paired = _nearest(both, batch)
-        ratios = []
+        overheads = []
         for drafted in (True, False):
-            if (batch, drafted) in self.ratios:
-                ratios.append(self.ratios[batch, drafted])
+            if (batch, drafted) in known:
+                overheads.append(known[batch, drafted])
             elif paired is not None:
-                ratios.append(self.ratios[paired, drafted])
+                overheads.append(known[paired, drafted])
             else:
-                nearest = self._ratio(batch, drafted)
-                ratios.append(1.0 if nearest is None else nearest)
-        return tuple(ratios)
+                nearest = self._overhead(batch, drafted)
+                overheads.append(0.0 if nearest is None else nearest)
+        return tuple(overheads)
 
-    def _ratio(self, batch: int, drafted: bool) -> Optional[float]:
-        """The realised/predicted ratio of rounds of this kind at the
-        nearest batch size that has one, or ``None``: a batch size the
-        server has not run yet starts from its neighbour's overhead, not
-        from none."""
-        nearest = _nearest({b for b, d in self.ratios if d == drafted}, batch)
-        return None if nearest is None else self.ratios[nearest, drafted]
+    def _overhead(self, batch: int, drafted: bool) -> Optional[float]:
+        """The overhead of rounds of this kind at the nearest batch size
+        that has one, or ``None``: a batch size the server has not run yet
+        starts from its neighbour's overhead, not from none."""
+        nearest = _nearest({b for b, d in self.overheads if d == drafted}, batch)
+        return None if nearest is None else self.overheads[nearest, drafted]
 
     def observe(self, seconds: Optional[float]) -> None:
         """The realised time of the oldest round chosen and not yet
@@ -387,8 +395,10 @@ class BatchPolicy:
         if self._seen[batch, drafts] <= WARM_ROUNDS:
             return
         kind = (batch, drafted)
-        self._recent[kind].append(seconds / predicted)
-        self.ratios[kind] = min(self._recent[kind])
+        # No round is faster than its forwards (a pipelined one is timed
+        # from the read before it): a shortfall is the measurements' noise.
+        self._recent[kind].append(max(0.0, seconds - predicted))
+        self.overheads[kind] = min(self._recent[kind])
 
 
 class FixedPolicy:
