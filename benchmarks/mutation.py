@@ -312,8 +312,8 @@ MUTANTS = [
     Mutant(
         "batch policy borrows each kind's overhead from its own nearest batch size",
         "mlx_dspark/batching/policy.py",
-        "            elif paired is not None:",
-        "            elif False:",
+        "        if paired is not None:",
+        "        if paired == batch:",
         ("tests/test_batching.py", "-k", "takes_both"),
     ),
     Mutant(

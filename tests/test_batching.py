@@ -1473,6 +1473,23 @@ def test_a_batch_size_not_seen_yet_takes_both_ratios_from_one_batch_size():
     assert best_drafts([[0.6] * 4], [4], RoundCosts(costs.draft * 2.4, [0.010] + [0.024] * 4)) == 0
 
 
+def test_a_batch_size_that_ran_one_kind_takes_both_overheads_from_one_that_ran_both():
+    """A wave's last request, alone, had run drafting rounds only (29 ms
+    beyond their forwards); eight sequences had run both kinds as measured.
+    Alone, it takes both overheads from eight, and drafts: its own drafting
+    overhead against eight's plain one would park it, the host's work
+    being larger per round than at eight (as on the H200)."""
+    costs = RoundCosts(0.004, [0.0146, 0.0200, 0.0249])
+    rates = [[0.75, 0.55]]
+    policy = BatchPolicy(lambda batch, depth: costs)
+    policy.overheads = {(1, True): 0.0287, (8, True): 0.0, (8, False): 0.0}
+    assert policy.choose(rates, [2], 100) == 2
+    mixed = RoundCosts(costs.draft + 0.0287, costs.verify)
+    assert best_drafts(rates, [2], mixed) == 0
+    policy.overheads[1, False] = 0.0
+    assert policy._overheads(1) == (0.0287, 0.0)
+
+
 def test_a_round_whose_time_is_not_its_own_teaches_the_policy_nothing():
     """The generator reports ``None`` for a round that also did the
     drafter's deferred work: it neither warms its shape up nor moves a
