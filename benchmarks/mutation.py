@@ -415,6 +415,13 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "timed_from_the_last_read"),
     ),
     Mutant(
+        "a drafted round verifying none pays the plain rounds' overhead too",
+        "mlx_dspark/batching/policy.py",
+        "        realised = RoundCosts(realised.draft, [measured.verify[0]] + realised.verify[1:])",
+        "        pass",
+        ("tests/test_batching.py", "-k", "verifies_none_pays"),
+    ),
+    Mutant(
         "a round's overhead is taken as a ratio of its drafter's cost",
         "mlx_dspark/batching/policy.py",
         "            draft=costs.draft + drafting,",

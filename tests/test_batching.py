@@ -1589,6 +1589,18 @@ def test_a_drafted_round_verifies_the_positions_that_pay():
     assert confident_drafts(one_sure_row, [4, 4], rising) == 2
 
 
+def test_a_drafted_round_that_verifies_none_pays_one_overhead():
+    """Drafts nobody believes in (5% for the first): verifying none of them
+    is still a drafting round, with the drafting rounds' overhead; adding
+    the plain rounds' overhead as well would make verifying the first draft
+    look worth its row."""
+    costs = RoundCosts(draft=0.004, verify=[0.010, 0.020])
+    policy = BatchPolicy(lambda batch, depth: costs)
+    policy.overheads = {(1, True): 0.020, (1, False): 0.050}
+    policy.choose([[0.5]], [1], 100)
+    assert policy.truncate([[0.05]], [1], 100) == 0
+
+
 class RandomTruncatingPolicy(RandomPolicy):
     """Drafts as ``RandomPolicy``, then verifies a random number of them
     once their confidences are read (any number is lossless at T = 0)."""

@@ -328,7 +328,12 @@ class BatchPolicy:
         observed against the costs of what it verifies."""
         batch = batch or len(caps)
         measured = self.costs(batch, depth)
-        k = confident_drafts(survival, caps, self.realised(measured, batch))
+        realised = self.realised(measured, batch)
+        # Its drafts are drawn: verifying none of them is still a drafting
+        # round, which pays the drafting rounds' overhead (in ``draft``), not
+        # a plain round's as well.
+        realised = RoundCosts(realised.draft, [measured.verify[0]] + realised.verify[1:])
+        k = confident_drafts(survival, caps, realised)
         if self._chosen and self._chosen[-1] is not None:
             self._chosen[-1] = (batch, k, True, measured.verify[k] + measured.draft)
         return k
