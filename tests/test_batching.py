@@ -24,6 +24,7 @@ from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.batching.policy import (
     Acceptance,
     RECENT_ROUNDS,
+    LEARNING_ROUNDS,
     REPROBE_EVERY,
     WARM_ROUNDS,
     BatchPolicy,
@@ -1324,6 +1325,23 @@ def test_a_rounds_overhead_is_added_to_its_forwards_whatever_its_drafts():
     policy.overheads[1, False] = 0.019
     assert policy.choose(rates, [7], 100) == 6
     assert best_drafts(rates, [7], costs) == 4
+    ratio = (costs.verify[3] + costs.draft + 0.035) / (costs.verify[3] + costs.draft)
+    plain_ratio = (costs.verify[0] + 0.019) / costs.verify[0]
+    scaled = RoundCosts(costs.draft * ratio, [costs.verify[0] * plain_ratio] + [v * ratio for v in costs.verify[1:]])
+    assert best_drafts(rates, [7], scaled) == 4
+
+
+def test_a_round_faster_than_its_measured_forwards_has_no_overhead():
+    """A round read sooner than its forwards were measured to take (noise,
+    or a pipelined round that started while the one before it was read)
+    adds nothing to the costs, and takes nothing off them."""
+    costs = RoundCosts(0.004, [0.020] * 5)
+    policy = BatchPolicy(lambda batch, depth: costs)
+    for _ in range(WARM_ROUNDS + 1):
+        k = policy.choose([[0.6] * 4], [4], 100)
+        policy.observe(0.5 * (costs.verify[k] + costs.draft))
+    assert policy.overheads == {(1, True): 0.0}
+    assert policy.realised(costs, 1) == costs
 
 
 def test_policy_parks_when_drafting_rounds_really_take_longer(caplog):
@@ -1358,12 +1376,12 @@ def test_policy_parks_when_drafting_rounds_really_take_longer(caplog):
     assert switches[-1].startswith("Batch policy drafts")
 
 
-def test_a_batch_size_not_seen_yet_starts_from_the_nearest_ones_ratios():
+def test_a_batch_size_not_seen_yet_starts_from_the_nearest_ones_overheads():
     """Rounds at 4 sequences taught the policy what rounds really cost: a
-    batch of 2 or 5 starts from those ratios instead of from the measured
+    batch of 2 or 5 starts from those overheads instead of from the measured
     costs alone. When drafting is three times slower than measured, 5
     sequences park at once; when everything runs as measured, 2 sequences
-    draft without probing plain rounds again."""
+    draft from their first round."""
     costs = RoundCosts(draft=0.002, verify=[0.010] * 5)
 
     def learn(drafting_slowdown):
@@ -1378,7 +1396,31 @@ def test_a_batch_size_not_seen_yet_starts_from_the_nearest_ones_ratios():
     slow = learn(3.0)
     assert slow.choose([[0.6] * 4] * 5, [4] * 5, 100) == 0
     as_measured = learn(1.0)
-    assert all(as_measured.choose([[0.6] * 4] * 2, [4] * 2, 100) == 4 for _ in range(48))
+    assert as_measured.choose([[0.6] * 4] * 2, [4] * 2, 100) == 4
+
+
+def test_a_batch_size_that_only_drafted_learns_its_own_plain_rounds_and_parks():
+    """Eight sequences ran both kinds as measured; at sixteen, drafting
+    rounds take 50 ms beyond their forwards, plain ones none. Sixteen starts
+    from eight's pair and drafts, but once it has timed its own drafting
+    rounds it probes plain ones to time them too, and parks: a neighbour's
+    pair alone would keep it drafting for good."""
+    costs = RoundCosts(draft=0.002, verify=[0.012] * 5)
+    policy = BatchPolicy(lambda batch, depth: costs)
+
+    def rounds(batch, count, extra):
+        choices = []
+        for _ in range(count):
+            k = policy.choose([[0.6] * 4] * batch, [4] * batch, 100)
+            policy.observe(costs.verify[k] + (costs.draft + extra if k else 0.0))
+            choices.append(k)
+        return choices
+
+    rounds(8, 64, 0.0)
+    assert set(policy.overheads) == {(8, True), (8, False)}
+    choices = rounds(16, 64, 0.050)
+    assert choices[0] == 4 and choices[-16:] == [0] * 16
+    assert policy.overheads[16, False] == 0.0
 
 
 def test_a_probe_as_fast_as_measured_brings_drafting_back_at_once():
@@ -1386,7 +1428,7 @@ def test_a_probe_as_fast_as_measured_brings_drafting_back_at_once():
     slower than measured (kernels compiling for its shapes): the policy
     parks. Once rounds run as measured, the first probe says so, and the
     policy drafts again from the next round on, not after several probes
-    have outvoted the slow rounds (a kind's ratio is its fastest recent
+    have outvoted the slow rounds (a kind's overhead is its fastest recent
     round's, as the measured costs are the fastest of their repeats)."""
     costs = RoundCosts(draft=0.002, verify=[0.010] * 5)
     rates = [[0.6] * 4] * 4
@@ -1450,12 +1492,12 @@ def test_the_round_after_costs_were_measured_is_not_observed(monkeypatch, tmp_pa
     assert any(isinstance(t, float) for t in events)
 
 
-def test_a_batch_size_not_seen_yet_takes_both_ratios_from_one_batch_size():
+def test_a_batch_size_not_seen_yet_takes_both_overheads_from_one_batch_size():
     """Rounds at 8 sequences ran as measured, with drafts and without; the
     only rounds seen at 4 sequences drafted while the server warmed up (2.4
     times slower than measured). A batch of one, nearer to 4 than to 8,
-    takes both of its ratios from 8, where they were learnt alike, and
-    drafts: mixing 4's stale drafting ratio with 8's plain one would park
+    takes both of its overheads from 8, where they were learnt alike, and
+    drafts: mixing 4's stale drafting overhead with 8's plain one would park
     it (a wave's last request decoded plainly)."""
     costs = RoundCosts(draft=0.002, verify=[0.010] * 5)
     policy = BatchPolicy(lambda batch, depth: costs)
@@ -1470,7 +1512,7 @@ def test_a_batch_size_not_seen_yet_takes_both_ratios_from_one_batch_size():
     assert set(policy.overheads) == {(4, True), (8, True), (8, False)}
     assert policy.choose([[0.6] * 4], [4], 100) == 4
     # Per kind from the nearest batch size, it would have parked.
-    assert best_drafts([[0.6] * 4], [4], RoundCosts(costs.draft * 2.4, [0.010] + [0.024] * 4)) == 0
+    assert best_drafts([[0.6] * 4], [4], RoundCosts(costs.draft + policy.overheads[4, True], costs.verify)) == 0
 
 
 def test_a_batch_size_that_ran_one_kind_takes_both_overheads_from_one_that_ran_both():
@@ -1492,8 +1534,8 @@ def test_a_batch_size_that_ran_one_kind_takes_both_overheads_from_one_that_ran_b
 
 def test_a_round_whose_time_is_not_its_own_teaches_the_policy_nothing():
     """The generator reports ``None`` for a round that also did the
-    drafter's deferred work: it neither warms its shape up nor moves a
-    ratio."""
+    drafter's deferred work: it neither warms its shape up nor moves an
+    overhead."""
     costs = RoundCosts(draft=0.002, verify=[0.010] * 5)
     policy = BatchPolicy(lambda batch, depth: costs)
     for _ in range(5):
@@ -1764,18 +1806,40 @@ def test_a_fresh_servers_one_client_learns_what_a_plain_round_costs_from_one_pro
 def test_a_parked_policy_learns_what_drafting_costs_from_one_probe():
     """Parked from its first round (the measured costs say drafting does
     not pay), a policy that never observed a drafting round probes until
-    one is observed, then keeps to short probes."""
+    one is observed, then keeps to short probes. As a pipelined server
+    reports them: each round's time after the next round was chosen, and
+    none for a probe's first round (it took in the parked rounds' taps)."""
     costs = RoundCosts(draft=0.010, verify=[0.010] + [0.030] * 4)
     policy = BatchPolicy(lambda batch, depth: costs)
     choices = []
     for _ in range(2 * REPROBE_EVERY + 8):
-        k = policy.choose([[0.6] * 4], [4], 100)
-        choices.append(k)
-        policy.observe(costs.verify[k] + (costs.draft if k else 0))
+        choices.append(policy.choose([[0.6] * 4], [4], 100))
+        if len(choices) > 1:
+            before = choices[-3] if len(choices) > 2 else 0
+            k = choices[-2]
+            policy.observe(None if k and not before else costs.verify[k] + (costs.draft if k else 0))
     drafted = [i for i, k in enumerate(choices) if k]
-    assert drafted[: WARM_ROUNDS + 1] == list(range(15, 15 + WARM_ROUNDS + 1))
+    assert drafted[: WARM_ROUNDS + 3] == list(range(15, 15 + WARM_ROUNDS + 3))
     assert (1, True) in policy.overheads
-    assert drafted[WARM_ROUNDS + 1 :] == [31, 32]
+    assert drafted[WARM_ROUNDS + 3 :] == [31, 32]
+
+
+def test_a_probe_that_times_nothing_ends_after_its_learning_rounds():
+    """A probe of a kind never timed lasts until one of its rounds is timed,
+    but no longer than ``LEARNING_ROUNDS``: where no round's time is its
+    own, a fresh policy drafts again after six plain rounds (and probes
+    again 16 rounds after the first probe began)."""
+    costs = RoundCosts(draft=0.002, verify=[0.010] * 5)
+    policy = BatchPolicy(lambda batch, depth: costs)
+    choices = []
+    for _ in range(2 * REPROBE_EVERY + LEARNING_ROUNDS):
+        choices.append(policy.choose([[0.6] * 4], [4], 100))
+        policy.observe(None)
+    plain = [i for i, k in enumerate(choices) if not k]
+    first = list(range(REPROBE_EVERY - 1, REPROBE_EVERY - 1 + LEARNING_ROUNDS))
+    assert plain[:LEARNING_ROUNDS] == first
+    assert choices[first[-1] + 1] == 4  # drafting again
+    assert plain[LEARNING_ROUNDS] == first[0] + REPROBE_EVERY
 
 
 def test_a_pipelined_round_the_prompts_waited_for_is_not_timed_for_the_policy(monkeypatch):

@@ -277,8 +277,7 @@ class SpeculativeBatchGenerator:
         self._cost_profile = None
         self._measuring = 0.0  # seconds spent measuring costs
         self._measured = False  # costs measured since the last round launched
-        # When the last round was read, and ``_measuring`` then.
-        self._last_read = (0.0, 0.0)
+        self._last_read = 0.0  # when the last round was read
         # Ski rental for finished rows: what they cost the rounds they rode
         # along in since rows last left, what taking rows out cost, and the
         # seconds of the last round of its own since rows last joined.
@@ -790,13 +789,14 @@ class SpeculativeBatchGenerator:
         if self.round_kind == TIMED and ahead is not None:
             self.round_kind = _round_kind(ahead, False)
         elapsed = read - tic - (self._measuring - measuring)
-        if launched_ahead:
-            last_read, last_measuring = self._last_read
-            away = tic - last_read - (measuring - last_measuring)
-            if self.round_kind == TIMED and away > elapsed:
+        if launched_ahead and self.round_kind == TIMED:
+            # (Costs measured since the last read made this round one waited for.)
+            away = tic - self._last_read
+            if away > elapsed:
                 self.round_kind = AWAY
-            elapsed += away
-        self._last_read = (read, self._measuring)
+            else:
+                elapsed += away
+        self._last_read = read
         observe = getattr(self.policy, "observe", None)
         if observe is not None:
             observe(elapsed if self.round_kind == TIMED else None)

@@ -59,7 +59,8 @@ from ..confidence.costs import RoundCosts
 # changes over a conversation, and a parked policy learns nothing new.
 REPROBE_EVERY = 16
 
-# A probe lasts this many rounds where rounds' times are observed: its first
+# A probe lasts this many rounds where rounds' times are observed and the
+# probed kind was timed before (else ``LEARNING_ROUNDS``): its first
 # changes the round's shape, which costs that round one-off work (on MLX-CUDA
 # 40-70 ms even for a shape run before; in a batch its drafter also takes in
 # the parked rounds), so only the rounds after it show what the probed kind
@@ -71,25 +72,26 @@ PROBE_ROUNDS = 2
 # one-off work (kernels compiled for the new shapes, a few hundred ms each
 # on CUDA; buffers allocated; the cost measurements' after-effects): not
 # observed. After them, a kind's (with drafts or without) overhead beyond
-# the prediction is that of the fastest of its last few rounds, as the measured costs
-# are the fastest of their repeats: a round is slowed by many things (a
+# the prediction is that of the fastest of its last few rounds, as the
+# measured costs are the fastest of their repeats: a round is slowed by many things (a
 # shape's later first uses, such as a cache grown past a new size; the host
 # busy elsewhere). So slow rounds seen while a server warms up do not keep a
 # kind observed rarely (drafting while parked) looking slow until several
 # probes have replaced them: the first probe as fast as measured does. (The
 # generator times a pipelined round from the read of the round before it,
-# and not at all when it may have been done before the host came back:
-# no round looks faster than it was.)
+# and not at all when it may have been done before the host came back, so
+# that it does not look almost free.)
 WARM_ROUNDS = 2
 RECENT_ROUNDS = 5
 
-# A probe of a kind of which no round was observed yet lasts until one is,
-# this many rounds at most: its shape's first rounds warm up, and in a
-# batch its last round's read also builds the next round, which takes in
-# the parked rounds' taps, so a probe of ``PROBE_ROUNDS`` would observe
-# nothing, and a fresh server would probe every ``REPROBE_EVERY`` rounds for
-# several requests. Pipelined, the observation arrives a round late: a
-# probe of ``WARM_ROUNDS + 2`` rounds where every round is timed.
+# A probe of a kind no round of which was timed yet (at any batch size, or
+# at this one where it timed the other kind) lasts until one is, this many
+# rounds at most: its shape's first rounds warm up, and in a batch its last
+# round's read also builds the next round, which takes in the parked rounds'
+# taps, so a probe of ``PROBE_ROUNDS`` would observe nothing, and a fresh
+# server would probe every ``REPROBE_EVERY`` rounds for several requests.
+# Pipelined, the observation arrives a round late: a probe of
+# ``WARM_ROUNDS + 2`` rounds where every round is timed.
 LEARNING_ROUNDS = 2 * (WARM_ROUNDS + 1)
 
 
@@ -280,7 +282,7 @@ class BatchPolicy:
             self.drafting += 1
             # A policy whose rounds are timed but never ran plain does not
             # know what that really costs: try plain rounds until it does.
-            if self._observed and self._overhead(batch, False) is None and _probing(self.drafting, LEARNING_ROUNDS):
+            if self._learning(batch, drafted=False) and _probing(self.drafting, LEARNING_ROUNDS):
                 k = 0
         else:
             # Parked. Probe now and then, with the drafts that would pay if
@@ -298,7 +300,16 @@ class BatchPolicy:
         ``PROBE_ROUNDS`` and ``LEARNING_ROUNDS``)."""
         if not self._observed:
             return 1
-        return PROBE_ROUNDS if self._overhead(batch, True) is not None else LEARNING_ROUNDS
+        return LEARNING_ROUNDS if self._learning(batch, drafted=True) else PROBE_ROUNDS
+
+    def _learning(self, batch: int, drafted: bool) -> bool:
+        """Whether rounds are timed and ``batch`` has yet to time a round of
+        this kind that it needs: none was timed at any batch size, or
+        ``batch`` timed the other kind only, and its own pair would replace
+        a neighbour's (``_overheads``)."""
+        if not self._observed or (batch, drafted) in self.overheads:
+            return False
+        return self._overhead(batch, drafted) is None or (batch, not drafted) in self.overheads
 
     def _log_switch(self, k, cap, batch, depth, costs):
         """A debug line whenever the policy starts or stops drafting: what
@@ -328,11 +339,10 @@ class BatchPolicy:
         observed against the costs of what it verifies."""
         batch = batch or len(caps)
         measured = self.costs(batch, depth)
-        realised = self.realised(measured, batch)
         # Its drafts are drawn: verifying none of them is still a drafting
         # round, which pays the drafting rounds' overhead (in ``draft``), not
         # a plain round's as well.
-        realised = RoundCosts(realised.draft, [measured.verify[0]] + realised.verify[1:])
+        realised = RoundCosts(self.realised(measured, batch).draft, measured.verify)
         k = confident_drafts(survival, caps, realised)
         if self._chosen and self._chosen[-1] is not None:
             self._chosen[-1] = (batch, k, True, measured.verify[k] + measured.draft)
@@ -361,7 +371,8 @@ class BatchPolicy:
     def _overheads(self, batch: int):
         """The overheads of rounds with drafts and without for ``batch``:
         both from the nearest batch size that ran both kinds (``batch``
-        itself where it did), whose two overheads were learnt alike; else
+        itself where it did, and one that ran one kind probes the other, see
+        ``_learning``), whose two overheads were learnt alike; else
         each kind's from the nearest size that ran it, none where nothing
         is known. Parking rests on their difference, which one kind's from
         one size and the other's from another does not keep: the host's work
@@ -398,8 +409,9 @@ class BatchPolicy:
         if self._seen[batch, drafts] <= WARM_ROUNDS:
             return
         kind = (batch, drafted)
-        # No round is faster than its forwards (a pipelined one is timed
-        # from the read before it): a shortfall is the measurements' noise.
+        # A shortfall is no overhead: the measurements' noise, or, read to
+        # read, a pipelined round that started while the one before it was
+        # being read.
         self._recent[kind].append(max(0.0, seconds - predicted))
         self.overheads[kind] = min(self._recent[kind])
 
