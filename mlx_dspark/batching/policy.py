@@ -73,9 +73,9 @@ PROBE_ROUNDS = 2
 # on CUDA; buffers allocated; the cost measurements' after-effects): not
 # observed. After them, a kind's (with drafts or without) overhead beyond
 # the prediction is that of the fastest of its last few rounds, as the
-# measured costs are the fastest of their repeats: a round is slowed by many things (a
-# shape's later first uses, such as a cache grown past a new size; the host
-# busy elsewhere). So slow rounds seen while a server warms up do not keep a
+# measured costs are the fastest of their repeats: a round is slowed by
+# many things (a shape's later first uses, such as a cache grown past a new
+# size; the host busy elsewhere). So slow rounds seen while a server warms up do not keep a
 # kind observed rarely (drafting while parked) looking slow until several
 # probes have replaced them: the first probe as fast as measured does. (The
 # generator times a pipelined round from the read of the round before it,
