@@ -1516,11 +1516,11 @@ def test_a_batch_size_not_seen_yet_takes_both_overheads_from_one_batch_size():
 
 
 def test_a_batch_size_that_ran_one_kind_takes_both_overheads_from_one_that_ran_both():
-    """A wave's last request, alone, had run drafting rounds only (29 ms
-    beyond their forwards); eight sequences had run both kinds as measured.
-    Alone, it takes both overheads from eight, and drafts: its own drafting
-    overhead against eight's plain one would park it, the host's work
-    being larger per round than at eight (as on the H200)."""
+    """One sequence had run drafting rounds only (29 ms beyond their
+    forwards); eight sequences had run both kinds as measured. A request
+    alone takes both overheads from eight, and drafts: its own drafting
+    overhead against eight's plain one would park it, the host's work being
+    larger per round than at eight (as on the H200)."""
     costs = RoundCosts(0.004, [0.0146, 0.0200, 0.0249])
     rates = [[0.75, 0.55]]
     policy = BatchPolicy(lambda batch, depth: costs)

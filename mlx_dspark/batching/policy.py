@@ -377,9 +377,9 @@ class BatchPolicy:
         is known. Parking rests on their difference, which one kind's from
         one size and the other's from another does not keep: the host's work
         grows with the batch, and a kind seen only while the server warmed
-        up keeps its slow rounds the longest. (On the H200 a wave's last
-        request, alone, took its drafting rounds' own 29 ms against eight
-        sequences' plain rounds' none, and parked where drafting paid.)"""
+        up keeps its slow rounds the longest. (On the H200 a lone request
+        weighed one sequence's own drafting overhead, 29 ms, against eight
+        sequences' plain one, none, and parked where drafting paid.)"""
         known = self.overheads
         both = {b for b, _ in known if (b, True) in known and (b, False) in known}
         paired = _nearest(both, batch)
