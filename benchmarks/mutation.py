@@ -646,6 +646,20 @@ MUTANTS = [
         "self.acceptance = Acceptance(drafts)",
         ("tests/test_pacing.py", "-k", "recent_acceptance"),
     ),
+    Mutant(
+        "costs measured ahead at the bucket above the one named",
+        "mlx_dspark/batching/measure.py",
+        "depth = bucket * 3 // 4",
+        "depth = bucket + 1",
+        ("tests/test_costs_command.py",),
+    ),
+    Mutant(
+        "costs measured ahead at the first prompts' batch size only",
+        "mlx_dspark/batching/measure.py",
+        "while len(started) < batch:",
+        "while not started:",
+        ("tests/test_costs_command.py",),
+    ),
 ]
 
 

@@ -19,7 +19,9 @@ the steady state instead: each of the N clients sends requests back to back
 for S seconds. On MLX-CUDA some shapes compile kernels for seconds the first
 time a machine meets them (kept on disk after that), which favours the
 servers started later; ``--prime`` runs every server at every concurrency
-once before measuring. With ``--log-level DEBUG``, each batched server's
+once before measuring, and first measures the round costs the batched
+servers' policy reads (``mlx_dspark costs``: a server that has served before
+has them on disk; a fresh one measures them over its first rounds). With ``--log-level DEBUG``, each batched server's
 ``next()`` after priming is summed by part at the end (from its load
 lines: rounds of their own, rounds that also copied or handed back caches,
 prefill, ...).
@@ -228,7 +230,8 @@ def main():
     parser.add_argument(
         "--prime", action="store_true",
         help="before measuring, every server runs one wave at every concurrency, so "
-        "that kernels compiled on first use (MLX-CUDA) are compiled for every mode alike",
+        "that kernels compiled on first use (MLX-CUDA) are compiled for every mode alike; "
+        "and the batched servers' round costs are measured ahead (mlx_dspark costs)",
     )
     parser.add_argument("--logs", help="keep the servers' logs in this folder")
     parser.add_argument("--log-level", default="INFO", help="the servers' --log-level (DEBUG: the batch policy's decisions)")
@@ -253,6 +256,8 @@ def main():
         }
         try:
             if args.prime:
+                if any("{draft}" in MODES[mode] for mode in args.modes):
+                    measure_costs(args, Path(logs) / "costs.log")
                 for n in progress(args.concurrency, desc="priming"):
                     for mode, server in servers.items():
                         wave(server, n, -2, args.max_tokens, args.prompt_words)
@@ -290,6 +295,26 @@ def main():
             written = json.loads(Path(args.json).read_text())
             written["load"] = {mode: parts for mode, parts in load.items() if parts}
             Path(args.json).write_text(json.dumps(written, indent=1))
+
+
+def measure_costs(args, log: Path) -> None:
+    """The round costs the batched servers' ``cost`` policy reads, measured
+    ahead (``mlx_dspark costs``) for every batch size of two's powers up to
+    the largest N and the requests' whole context, as a server that has
+    served before has them (it otherwise measures them over its first
+    rounds at each size, in the measured waves)."""
+    largest = max(args.concurrency)
+    batches = [1 << i for i in range(largest.bit_length()) if 1 << i <= largest]
+    # Chat-template tokens come on top of the prompt's words.
+    context = args.prompt_words + args.max_tokens + 64
+    subprocess.run(
+        [
+            sys.executable, "-m", "mlx_dspark.batching.measure",
+            "--model", str(args.model), "--draft-model", str(args.draft_model),
+            "--batch", *map(str, batches), "--context", str(context),
+        ],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, check=True,
+    )
 
 
 # A part of the batch generator's DEBUG load line: "rounds 32% (147 x 22 ms)".

@@ -5,7 +5,7 @@
 explicitly: every mlx-lm flag passes through. They work without the
 auto-activation (for example with ``MLX_DSPARK_DISABLE=1``, or on Python
 versions that no longer run ``.pth`` import lines). mlx-dspark's own
-commands (``convert``, ``calibrate``, ``doctor``, ``prepare``, ``train``,
+commands (``convert``, ``calibrate``, ``doctor``, ``costs``, ``prepare``, ``train``,
 ``evaluate``) are modules with a ``main(argv)``.
 """
 
@@ -17,19 +17,21 @@ OWN_COMMANDS = {
     "convert": "mlx_dspark.convert",
     "calibrate": "mlx_dspark.confidence.calibrate",
     "doctor": "mlx_dspark.doctor",
+    "costs": "mlx_dspark.batching.measure",
     "prepare": "mlx_dspark.training.prepare",
     "train": "mlx_dspark.training.train",
     "evaluate": "mlx_dspark.training.evaluate",
 }
 
 USAGE = """\
-usage: mlx_dspark {generate,server,convert,calibrate,doctor,prepare,train,evaluate} [flags ...]
+usage: mlx_dspark {generate,server,convert,calibrate,doctor,costs,prepare,train,evaluate} [flags ...]
 
   generate   mlx_lm.generate with hidden-state drafters (--draft-model)
   server     mlx_lm.server with hidden-state drafters (--draft-model)
   convert    write a quantized (--q-bits) or re-typed (--dtype) drafter
   calibrate  fit a DSpark drafter's confidence calibration (STS) on prompts
   doctor     check the install and a pair, and whether speculation pays here
+  costs      measure ahead the round costs the server's batch policy needs
   prepare    record a target's answers and hidden states for training
   train      train a DSpark or DFlash drafter for a target
   evaluate   report drafters' acceptance length tau on prompts

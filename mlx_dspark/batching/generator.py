@@ -700,6 +700,23 @@ class SpeculativeBatchGenerator:
         # they cover the lengths all of them have measured.
         return interpolate(measured or under_way, batch)
 
+    def profiled_costs(self, batch: int, depth: int) -> Optional[RoundCosts]:
+        """The costs of rounds of ``batch`` sequences at ``depth`` as the
+        profile has them measured, or ``None``."""
+        timer, profile = self._profile()
+        return profile.measured_batches(depth, timer.verify_rows).get(batch)
+
+    def measure_costs(self) -> RoundCosts:
+        """The generating batch's round costs at its depth, measured in full
+        now unless the profile has them (``mlx_dspark costs`` measures ahead
+        what a server's first rounds would). Between rounds only."""
+        rows = self._generation
+        if self._in_flight is not None or not len(rows):
+            raise RuntimeError("Costs are measured on a generating batch, between rounds.")
+        timer, profile = self._profile()
+        depth = max(len(s.tokens) for s in rows.sequences)
+        return profile.costs(depth, timer, len(rows))
+
     def _profile(self):
         if self._cost_profile is None:
             timer = RoundTimer(
