@@ -647,6 +647,20 @@ MUTANTS = [
         ("tests/test_pacing.py", "-k", "recent_acceptance"),
     ),
     Mutant(
+        "cost repeats in a row, not passes over the parts",
+        "mlx_dspark/confidence/costs.py",
+        "    for _ in range(REPEATS):\n        for i, fn in enumerate(fns):\n",
+        "    for i, fn in enumerate(fns):\n        for _ in range(REPEATS):\n",
+        ("tests/test_confidence.py", "-k", "burst or shape or fastest"),
+    ),
+    Mutant(
+        "a part timed without an untimed run of its shape before",
+        "mlx_dspark/confidence/costs.py",
+        "            mx.eval(fn())\n            tic = clock()\n",
+        "            tic = clock()\n",
+        ("tests/test_confidence.py", "-k", "burst or shape or fastest"),
+    ),
+    Mutant(
         "costs measured ahead at the bucket above the one named",
         "mlx_dspark/batching/measure.py",
         "depth = bucket * 3 // 4",

@@ -312,7 +312,7 @@ def measure(model, drafter, target, depth: int, verify: int):
             )
             return proposal.tokens, proposal.confidence
 
-        return fastest_seconds(draft)
+        return fastest_seconds(draft)[0]
 
     return {
         "device": mx.device_info().get("device_name", str(mx.default_device())),

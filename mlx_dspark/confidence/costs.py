@@ -28,9 +28,12 @@ REPEATS = 3
 # How a cost is read from its repeats. Whatever else the machine does only
 # adds time: in a server, the handler threads that stream the tokens of the
 # round just read compete with the measurement for the host (on an H200 the
-# first verify measured in a round took 2-4x the others). Part of the key
-# of a profile, so that profiles measured another way are measured again.
-TIMING = "fastest of the repeats"
+# first verify measured in a round took 2-4x the others). And it comes in
+# bursts: repeats of one verify length in a row all fell into one (an H200's
+# 12B verifies of 6 and 7 tokens measured 27-28 ms between 17-18 ms ones),
+# so the repeats are passes over every part measured. Part of the key of a
+# profile, so that profiles measured another way are measured again.
+TIMING = "fastest of the repeats, in passes over the parts"
 
 # Cost policies measure a new depth bucket's (or batch size's) costs on the
 # live caches this many verify lengths a round, so that no round stops a
@@ -141,22 +144,30 @@ class RoundTimer:
         """Costs of a draft (unless not ``draft``: 0) and of verifying each
         of ``tokens`` tokens (by default ``1, 2, ...`` up to ``verify_rows``)."""
         tokens = range(1, self.verify_rows + 1) if tokens is None else tokens
+        parts = [partial(self.verify, n) for n in tokens]
+        seconds = fastest_seconds(*([self.draft] if draft else []), *parts)
         return RoundCosts(
-            draft=fastest_seconds(self.draft) if draft else 0.0,
-            verify=[fastest_seconds(partial(self.verify, n)) for n in tokens],
+            draft=seconds[0] if draft else 0.0,
+            verify=seconds[1:] if draft else seconds,
         )
 
 
-def fastest_seconds(fn: Callable[[], Any]) -> float:
-    """The fewest seconds ``fn()`` took with its result evaluated, of
-    ``REPEATS`` after a warm-up (see ``TIMING``)."""
-    mx.eval(fn())
-    times = []
+def fastest_seconds(*fns: Callable[[], Any], clock: Optional[Callable[[], float]] = None) -> List[float]:
+    """The fewest seconds each of ``fns()`` took with its result evaluated,
+    of ``REPEATS`` passes over all of them (see ``TIMING``). Within a pass
+    each runs once untimed before it is timed: the first use of a shape
+    compiles, and on MLX-CUDA any change of shape costs its first round
+    40-70 ms (``batching.policy.PROBE_ROUNDS``), where a round of a server
+    mostly repeats the shape before it."""
+    clock = clock or time.perf_counter
+    fastest = [math.inf] * len(fns)
     for _ in range(REPEATS):
-        tic = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - tic)
-    return min(times)
+        for i, fn in enumerate(fns):
+            mx.eval(fn())
+            tic = clock()
+            mx.eval(fn())
+            fastest[i] = min(fastest[i], clock() - tic)
+    return fastest
 
 
 def live_timer(
