@@ -661,6 +661,27 @@ MUTANTS = [
         ("tests/test_confidence.py", "-k", "burst or shape or fastest"),
     ),
     Mutant(
+        "a change of drafts pays nothing for the change",
+        "mlx_dspark/batching/policy.py",
+        "costs.draft if k else 0.0) + (switch if k != keep else 0.0)",
+        "costs.draft if k else 0.0)",
+        ("tests/test_batching.py", "-k", "keeps_its_drafts or width_stays"),
+    ),
+    Mutant(
+        "a change of width pays nothing for the change",
+        "mlx_dspark/batching/policy.py",
+        "costs.verify[w] + (switch if w != keep else 0.0)",
+        "costs.verify[w]",
+        ("tests/test_batching.py", "-k", "keeps_its_drafts or width_stays"),
+    ),
+    Mutant(
+        "every round taken for a change of shape",
+        "mlx_dspark/batching/policy.py",
+        "if before not in (None, (batch, drafts)) and kind in self.overheads:",
+        "if before is not None and kind in self.overheads:",
+        ("tests/test_batching.py", "-k", "keeps_its_drafts or width_stays"),
+    ),
+    Mutant(
         "costs measured ahead at the bucket above the one named",
         "mlx_dspark/batching/measure.py",
         "depth = bucket * 3 // 4",

@@ -114,6 +114,7 @@ def main():
                 row["overheads_ms"] = {
                     f"{b} {'drafted' if d else 'plain'}": round(1000 * o, 2) for (b, d), o in policy.overheads.items()
                 }
+                row["change_of_shape_ms"] = round(1000 * policy.switch_cost, 2)
                 if args.rounds:
                     row["rounds"] = policy.rounds
             results.append(row)
@@ -123,7 +124,11 @@ def main():
                 for k, g in row["by_drafts"].items()
             ), flush=True)
             if "overheads_ms" in row:
-                print(f"      overheads (ms) {row['overheads_ms']}", flush=True)
+                print(
+                    f"      overheads (ms) {row['overheads_ms']}, a change of shape "
+                    f"{row['change_of_shape_ms']} ms",
+                    flush=True,
+                )
             for r in row.get("rounds", []):
                 print(f"      k={r['drafts']} depth {r['depth']} pred {1000 * (r['predicted'] or 0):.1f} ms real {1000 * r['seconds']:.1f} ms")
     if args.json:

@@ -1331,6 +1331,43 @@ def test_a_rounds_overhead_is_added_to_its_forwards_whatever_its_drafts():
     assert best_drafts(rates, [7], scaled) == 4
 
 
+def test_a_round_keeps_its_drafts_where_changing_them_costs_more_than_it_gains():
+    """On MLX-CUDA a change of the round's shape costs 40-70 ms once. Here a
+    change back from 4 drafts to 3 took 50 ms beyond what drafting rounds
+    take: the policy learns that, and when acceptance rises so that 4 drafts would be 7% faster a round, it
+    keeps 3: the change would pay its 50 ms back only after about ten
+    rounds, more than ``SWITCH_ROUNDS``. Where a change costs nothing, it
+    changes."""
+    costs = RoundCosts(0.002, [0.010, 0.011, 0.012, 0.013, 0.014])
+    low, high = [[0.5] * 4], [[0.8] * 4]
+
+    def after_a_change_that_took(change_seconds):
+        policy = BatchPolicy(lambda batch, depth: costs)
+
+        def round_(rates, extra=0.0):
+            k = policy.choose(rates, [4], 100)
+            policy.observe(costs.verify[k] + costs.draft + extra)
+            return k
+
+        assert [round_(low) for _ in range(WARM_ROUNDS + 1)] == [3] * (WARM_ROUNDS + 1)
+        assert [round_(high) for _ in range(WARM_ROUNDS + 1)] == [4] * (WARM_ROUNDS + 1)
+        assert round_(low, change_seconds) == 3  # back to a shape run before
+        assert policy.switch_cost == pytest.approx(change_seconds)
+        return round_(high)
+
+    assert after_a_change_that_took(0.050) == 3
+    assert after_a_change_that_took(0.0) == 4
+
+
+def test_a_rounds_width_stays_where_changing_it_costs_more_than_its_rows():
+    """Padding a round to the width of the round before costs its rows;
+    changing the width costs what a change of shape costs here."""
+    costs = RoundCosts(0.002, [0.010, 0.011, 0.012, 0.0125, 0.013])
+    assert round_width(2, 4, costs) == 2  # 3 and 4 drafts' rows cost 4-8% more
+    assert round_width(2, 4, costs, keep=4, switch=0.002) == 4
+    assert round_width(2, 4, costs, keep=4, switch=0.0) == 2
+
+
 def test_a_round_faster_than_its_measured_forwards_has_no_overhead():
     """A round read sooner than its forwards were measured to take (noise,
     or a pipelined round that started while the one before it was read)

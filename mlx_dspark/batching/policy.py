@@ -38,7 +38,9 @@ Where more rows cost about the same (``round_width``), a round pads to the
 most of them: on MLX-CUDA a round whose shape changed (batch size, drafts
 verified) took 40-70 ms more than the rounds around it, even for a shape
 run before (``benchmarks/batch_phases.py --shapes``), and the budgets of
-requests near their end would otherwise change it round after round.
+requests near their end would otherwise change it round after round. The
+policy learns what a change costs on this machine and changes a round's
+drafts or width only where that pays (``SWITCH_ROUNDS``).
 
 Losslessness when sampling (paper, Appendix A): ``choose`` uses only what
 was known before the round's drafts were drawn, namely the earlier rounds'
@@ -94,6 +96,15 @@ RECENT_ROUNDS = 5
 # ``WARM_ROUNDS + 2`` rounds where every round is timed.
 LEARNING_ROUNDS = 2 * (WARM_ROUNDS + 1)
 
+
+# On MLX-CUDA a round whose shape changed (batch size, drafts verified)
+# took 40-70 ms more than the rounds around it, even for a shape run before
+# (``benchmarks/batch_phases.py --shapes``); on the H200 at 12B shapes the
+# cost policy, choosing 5-7 drafts round by round where ``fixed`` kept 7,
+# served 0.8-1.0x its tokens/s. The policy learns what a change of shape
+# costs here (``observe``) and changes a round's drafts only where the
+# change pays for itself within this many rounds.
+SWITCH_ROUNDS = 8
 
 # Draft counts whose expected speeds are this near are as fast within the
 # noise of the measured costs, which decides between them at random. The
@@ -172,35 +183,47 @@ def expected_tokens(rates: Sequence[float], drafts: int) -> float:
 
 
 def best_drafts(
-    rates: Sequence[Sequence[float]], caps: Sequence[int], costs: RoundCosts
+    rates: Sequence[Sequence[float]], caps: Sequence[int], costs: RoundCosts,
+    keep: Optional[int] = None, switch: float = 0.0,
 ) -> int:
     """The ``k`` in ``0..max(caps)`` with the most expected tokens per second
     for the batch (sequence ``b`` verifies ``min(k, caps[b])`` drafts); when
     that is a drafting round, the most drafts within ``NEAR_BEST`` of it and
-    faster than plain decoding."""
+    faster than plain decoding. Where a change of shape costs ``switch``
+    seconds, a ``k`` other than ``keep`` (the round before's) pays them,
+    and ``keep`` stays wherever it is within ``NEAR_BEST`` of the best."""
     speeds = []
     for k in range(min(max(caps, default=0), len(costs.verify) - 1) + 1):
-        seconds = costs.verify[k] + (costs.draft if k else 0.0)
+        seconds = costs.verify[k] + (costs.draft if k else 0.0) + (switch if k != keep else 0.0)
         tokens = sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
         speeds.append(tokens / seconds)
     near = max(speeds, default=0.0) * (1 - NEAR_BEST)
     drafting = [k for k, speed in enumerate(speeds) if k and speed > speeds[0] and speed >= near]
+    if switch and keep in drafting:
+        return keep
     return max(drafting, default=0)
 
 
-def round_width(drafts: int, most: int, costs: RoundCosts) -> int:
+def round_width(
+    drafts: int, most: int, costs: RoundCosts, keep: Optional[int] = None, switch: float = 0.0
+) -> int:
     """How many drafts a round drafts and verifies for each sequence when
     ``drafts`` at most are judged: of the counts up to ``most`` whose
     verify costs within ``NEAR_BEST`` of the cheapest at least as long, the
-    most. Where rows cost next to nothing (a GPU), a round keeps one shape
-    whatever its sequences' budgets allow; where more rows cost less (a
-    kernel switch), it takes the cheaper count."""
+    most; where a change of shape costs ``switch`` seconds, a count other
+    than ``keep`` (the round before's) pays them, and ``keep`` stays where
+    it is one of those counts. Where rows cost next
+    to nothing (a GPU), a round keeps one shape whatever its sequences'
+    budgets allow; where more rows cost less (a kernel switch), it takes the
+    cheaper count."""
     top = min(most, len(costs.verify) - 1)
     if drafts == 0 or top <= drafts:
         return drafts
     widths = range(drafts, top + 1)
-    cheapest = min(costs.verify[w] for w in widths)
-    return max(w for w in widths if costs.verify[w] <= cheapest * (1 + NEAR_BEST))
+    seconds = {w: costs.verify[w] + (switch if w != keep else 0.0) for w in widths}
+    cheapest = min(seconds.values())
+    near = [w for w in widths if seconds[w] <= cheapest * (1 + NEAR_BEST)]
+    return keep if switch and keep in near else max(near)
 
 
 def confident_drafts(
@@ -262,6 +285,15 @@ class BatchPolicy:
         # (batch size, drafts verified, drafted, predicted seconds) of each
         # round chosen and not yet observed, oldest first.
         self._chosen = deque()
+        # What a change of the round's shape costs beyond its kind's
+        # overhead (the fastest of the recent changes), the shape of the
+        # round last chosen and of the one last observed, and the current
+        # round's (drafts to keep, seconds a change pays).
+        self.switch_cost = 0.0
+        self._switches = deque(maxlen=RECENT_ROUNDS)
+        self._shape = None
+        self._observed_shape = None
+        self._keep = (None, 0.0)
         self._was_parked = None
         self._observed = False  # whether rounds' times are observed at all
 
@@ -271,11 +303,13 @@ class BatchPolicy:
         (by default one per live sequence)."""
         if not caps or max(caps) == 0:
             self._chosen.append(None)
+            self._shape = None
             return 0
         batch = batch or len(caps)
         measured = self.costs(batch, depth)
         costs = self.realised(measured, batch)
-        k = best_drafts(rates, caps, costs)
+        self._keep = self._keeping(batch)
+        k = best_drafts(rates, caps, costs, *self._keep)
         self._log_switch(k, max(caps), batch, depth, costs)
         if k:
             self.parked = 0
@@ -293,7 +327,15 @@ class BatchPolicy:
                 k = hopeful
         predicted = measured.verify[k] + (measured.draft if k else 0.0)
         self._chosen.append((batch, k, k > 0, predicted))
+        self._shape = (batch, k)
         return k
+
+    def _keeping(self, batch: int):
+        """The drafts of the round before, where it had ``batch`` rows, and
+        the seconds a round of another shape pays for the change."""
+        if self._shape is None or self._shape[0] != batch:
+            return None, 0.0
+        return self._shape[1], self.switch_cost / SWITCH_ROUNDS
 
     def _probe_rounds(self, batch: int) -> int:
         """How long a parked policy's probe of drafting lasts (see
@@ -324,13 +366,14 @@ class BatchPolicy:
         }
         logging.debug(
             "Batch policy %s at batch %d, depth %d: a round predicted plain "
-            "%.1f ms%s; overheads %s",
+            "%.1f ms%s; overheads %s, a change of shape %.1f ms",
             "drafts" if k else "parks",
             batch,
             depth,
             1000 * costs.verify[0],
             drafted,
             overheads,
+            1000 * self.switch_cost,
         )
 
     def truncate(self, survival, caps, depth: int, batch: Optional[int] = None) -> int:
@@ -346,6 +389,7 @@ class BatchPolicy:
         k = confident_drafts(survival, caps, realised)
         if self._chosen and self._chosen[-1] is not None:
             self._chosen[-1] = (batch, k, True, measured.verify[k] + measured.draft)
+        self._shape = (batch, k)
         return k
 
     def width(self, drafts: int, most: int, depth: int, batch: int) -> int:
@@ -353,9 +397,10 @@ class BatchPolicy:
         ``drafts`` are judged (``round_width``); the round is observed at
         that width."""
         measured = self.costs(batch, depth)
-        width = round_width(drafts, most, measured)
+        width = round_width(drafts, most, measured, *self._keep)
         if self._chosen and self._chosen[-1] is not None:
             self._chosen[-1] = (batch, width, True, measured.verify[width] + measured.draft)
+        self._shape = (batch, width)
         return width
 
     def realised(self, costs: RoundCosts, batch: int) -> RoundCosts:
@@ -402,6 +447,7 @@ class BatchPolicy:
         did work deferred from other rounds)."""
         self._observed = True
         chosen = self._chosen.popleft() if self._chosen else None
+        before, self._observed_shape = self._observed_shape, chosen and chosen[:2]
         if chosen is None or seconds is None:
             return
         batch, drafts, drafted, predicted = chosen
@@ -412,7 +458,12 @@ class BatchPolicy:
         # A shortfall is no overhead: the measurements' noise, or, read to
         # read, a pipelined round that started while the one before it was
         # being read.
-        self._recent[kind].append(max(0.0, seconds - predicted))
+        excess = max(0.0, seconds - predicted)
+        if before not in (None, (batch, drafts)) and kind in self.overheads:
+            # The round changed the shape: what the change cost here.
+            self._switches.append(max(0.0, excess - self.overheads[kind]))
+            self.switch_cost = min(self._switches)
+        self._recent[kind].append(excess)
         self.overheads[kind] = min(self._recent[kind])
 
 
