@@ -675,6 +675,13 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "keeps_its_drafts or width_stays"),
     ),
     Mutant(
+        "changes of shape also taken for their kind's overhead",
+        "mlx_dspark/batching/policy.py",
+        "            self.switch_cost = statistics.median(self._switches)\n            return\n",
+        "            self.switch_cost = statistics.median(self._switches)\n",
+        ("tests/test_batching.py", "-k", "round_after_round"),
+    ),
+    Mutant(
         "every round taken for a change of shape",
         "mlx_dspark/batching/policy.py",
         "if before not in (None, (batch, drafts)) and kind in self.overheads:",

@@ -256,7 +256,7 @@ def main():
         }
         try:
             if args.prime:
-                if any("{draft}" in MODES[mode] for mode in args.modes):
+                if "batched" in args.modes:  # the cost policy's server
                     measure_costs(args, Path(logs) / "costs.log")
                 for n in progress(args.concurrency, desc="priming"):
                     for mode, server in servers.items():

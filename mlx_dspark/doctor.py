@@ -271,7 +271,7 @@ def measure(model, drafter, target, depth: int, verify: int):
     the same context."""
     import mlx.core as mx
 
-    from .confidence.costs import live_timer, fastest_seconds
+    from .confidence.costs import REPEATS, fastest_seconds, live_timer
     from .progress import progress
 
     target_cache = target.make_cache(verify)
@@ -293,8 +293,9 @@ def measure(model, drafter, target, depth: int, verify: int):
         drafter.block_size,
         lambda: anchor,
     )
-    bar = progress(range(1, verify + 1), desc="measuring", unit="verify")
-    costs = timer(bar)
+    bar = progress(total=REPEATS * (verify + 1), desc="measuring", unit="timing")
+    costs = timer(range(1, verify + 1), tick=bar.update)
+    bar.close()
 
     def draft_seconds(other) -> float:
         cache = other.make_cache()

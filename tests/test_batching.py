@@ -1359,6 +1359,30 @@ def test_a_round_keeps_its_drafts_where_changing_them_costs_more_than_it_gains()
     assert after_a_change_that_took(0.0) == 4
 
 
+def test_changes_of_shape_round_after_round_are_learnt_as_changes_not_as_overhead():
+    """Budgets that move every round make the rounds verify 3 and 2 drafts in
+    turn, each change 5 ms dearer here (too little to forgo 3 drafts): the
+    policy learns what a change costs, and drafting rounds' overhead stays
+    none. (Taken as the overhead, the changes made every drafting round look
+    dearer, and a policy park where drafting pays.)"""
+    costs = RoundCosts(0.002, [0.010, 0.011, 0.012, 0.013, 0.014])
+    policy = BatchPolicy(lambda batch, depth: costs)
+    last = None
+
+    def round_(cap):
+        nonlocal last
+        k = policy.choose([[0.8] * 4], [cap], 100)
+        policy.observe(costs.verify[k] + costs.draft + (0.005 if last not in (None, k) else 0.0))
+        last = k
+        return k
+
+    for cap in [3] * (WARM_ROUNDS + 1) + [2] * (WARM_ROUNDS + 1):
+        assert round_(cap) == cap
+    assert [round_(cap) for cap in [3, 2] * 4] == [3, 2] * 4  # (before its plain probe)
+    assert policy.overheads == {(1, True): 0.0}
+    assert policy.switch_cost == pytest.approx(0.005)
+
+
 def test_a_rounds_width_stays_where_changing_it_costs_more_than_its_rows():
     """Padding a round to the width of the round before costs its rows;
     changing the width costs what a change of shape costs here."""

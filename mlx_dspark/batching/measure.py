@@ -15,9 +15,12 @@ MLX version and device (``confidence.costs``).
 """
 
 import argparse
+import gc
 import random
 import sys
 import time
+
+import mlx.core as mx
 
 from ..confidence.costs import depth_bucket
 from ..progress import progress
@@ -57,12 +60,20 @@ def measure_ahead(model, drafter, batches, context: int, vocab_size: int, seed: 
             if costs is not None:
                 yield batch, bucket, costs, None
                 continue
-            generator.insert([[rng.randrange(vocab_size) for _ in range(depth)] for _ in range(batch)])
+            # No budget ends while later prompts are prefilled: every
+            # sequence is in the batch measured.
+            prompts = [[rng.randrange(vocab_size) for _ in range(depth)] for _ in range(batch)]
+            generator.insert(prompts, max_tokens=[1 << 30] * batch)
             started = set()
             while len(started) < batch:
                 _, responses = generator.next()
                 started.update(r.uid for r in responses)
-            yield batch, bucket, generator.measure_costs(), time.perf_counter() - tic
+            costs = generator.measure_costs()
+            # The generator and its caches go before the next size's.
+            del generator
+            gc.collect()
+            mx.clear_cache()
+            yield batch, bucket, costs, time.perf_counter() - tic
 
 
 def parser() -> argparse.ArgumentParser:
@@ -111,16 +122,28 @@ def main(argv=None) -> int:
     batches = sorted(set(args.batch))
     jobs = len(batches) * len(buckets(args.context))
     measured = measure_ahead(model, drafter, batches, args.context, tokenizer.vocab_size)
-    for batch, bucket, costs, seconds in progress(measured, total=jobs, desc="measuring"):
-        verify = " ".join(f"{1e3 * c:.1f}" for c in costs.verify)
-        how = "kept" if seconds is None else f"measured in {seconds:.1f} s"
+    try:
+        for batch, bucket, costs, seconds in progress(measured, total=jobs, desc="measuring"):
+            report(batch, bucket, costs, seconds)
+    except RuntimeError as e:  # MLX's out-of-memory among them
         print(
-            f"batch {batch:>3}, depth bucket {bucket:>6} ({how}): "
-            f"draft {1e3 * costs.draft:.1f} ms, verify of 1..{len(costs.verify)} "
-            f"tokens a sequence {verify} ms",
-            flush=True,
+            f"mlx_dspark costs: error: {e} (measure fewer or smaller batches, or a "
+            "shorter --context)",
+            file=sys.stderr,
         )
+        return 1
     return 0
+
+
+def report(batch, bucket, costs, seconds) -> None:
+    verify = " ".join(f"{1e3 * c:.1f}" for c in costs.verify)
+    how = "kept" if seconds is None else f"measured in {seconds:.1f} s"
+    print(
+        f"batch {batch:>3}, depth bucket {bucket:>6} ({how}): "
+        f"draft {1e3 * costs.draft:.1f} ms, verify of 1..{len(costs.verify)} "
+        f"tokens a sequence {verify} ms",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

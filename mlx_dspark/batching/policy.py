@@ -51,6 +51,7 @@ only), never from a later position.
 """
 
 import logging
+import statistics
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Union
@@ -101,7 +102,7 @@ LEARNING_ROUNDS = 2 * (WARM_ROUNDS + 1)
 # took 40-70 ms more than the rounds around it, even for a shape run before
 # (``benchmarks/batch_phases.py --shapes``); on the H200 at 12B shapes the
 # cost policy, choosing 5-7 drafts round by round where ``fixed`` kept 7,
-# served 0.8-1.0x its tokens/s. The policy learns what a change of shape
+# served 0.68-1.27x its tokens/s (0.97x over 12 pairs). The policy learns what a change of shape
 # costs here (``observe``) and changes a round's drafts only where the
 # change pays for itself within this many rounds.
 SWITCH_ROUNDS = 8
@@ -286,7 +287,8 @@ class BatchPolicy:
         # round chosen and not yet observed, oldest first.
         self._chosen = deque()
         # What a change of the round's shape costs beyond its kind's
-        # overhead (the fastest of the recent changes), the shape of the
+        # overhead (the median of the recent changes: one noisy change
+        # does not make them free), the shape of the
         # round last chosen and of the one last observed, and the current
         # round's (drafts to keep, seconds a change pays).
         self.switch_cost = 0.0
@@ -461,8 +463,11 @@ class BatchPolicy:
         excess = max(0.0, seconds - predicted)
         if before not in (None, (batch, drafts)) and kind in self.overheads:
             # The round changed the shape: what the change cost here.
+            # Not the kind's overhead: where most rounds change the shape,
+            # the changes would become it, and the policy park for good.
             self._switches.append(max(0.0, excess - self.overheads[kind]))
-            self.switch_cost = min(self._switches)
+            self.switch_cost = statistics.median(self._switches)
+            return
         self._recent[kind].append(excess)
         self.overheads[kind] = min(self._recent[kind])
 

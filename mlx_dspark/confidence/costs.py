@@ -140,19 +140,27 @@ class RoundTimer:
         text = json.dumps(identity, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
-    def __call__(self, tokens: Optional[Iterable[int]] = None, draft: bool = True) -> RoundCosts:
+    def __call__(
+        self, tokens: Optional[Iterable[int]] = None, draft: bool = True,
+        tick: Optional[Callable[[], Any]] = None,
+    ) -> RoundCosts:
         """Costs of a draft (unless not ``draft``: 0) and of verifying each
-        of ``tokens`` tokens (by default ``1, 2, ...`` up to ``verify_rows``)."""
+        of ``tokens`` tokens (by default ``1, 2, ...`` up to ``verify_rows``);
+        ``tick()`` after each part timed (a progress bar's)."""
         tokens = range(1, self.verify_rows + 1) if tokens is None else tokens
         parts = [partial(self.verify, n) for n in tokens]
-        seconds = fastest_seconds(*([self.draft] if draft else []), *parts)
+        seconds = fastest_seconds(*([self.draft] if draft else []), *parts, tick=tick)
         return RoundCosts(
             draft=seconds[0] if draft else 0.0,
             verify=seconds[1:] if draft else seconds,
         )
 
 
-def fastest_seconds(*fns: Callable[[], Any], clock: Optional[Callable[[], float]] = None) -> List[float]:
+def fastest_seconds(
+    *fns: Callable[[], Any],
+    clock: Optional[Callable[[], float]] = None,
+    tick: Optional[Callable[[], Any]] = None,
+) -> List[float]:
     """The fewest seconds each of ``fns()`` took with its result evaluated,
     of ``REPEATS`` passes over all of them (see ``TIMING``). Within a pass
     each runs once untimed before it is timed: the first use of a shape
@@ -167,6 +175,8 @@ def fastest_seconds(*fns: Callable[[], Any], clock: Optional[Callable[[], float]
             tic = clock()
             mx.eval(fn())
             fastest[i] = min(fastest[i], clock() - tic)
+            if tick is not None:
+                tick()
     return fastest
 
 
