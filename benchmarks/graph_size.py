@@ -86,7 +86,7 @@ class Parked:
 
     name = "parked"
 
-    def choose(self, rates, caps, depth: int, batch=None) -> int:
+    def choose(self, rates, caps, depth: int, batch=None, most=None) -> int:
         return 0
 
 

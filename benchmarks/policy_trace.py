@@ -39,8 +39,8 @@ def traced(base):
             super().__init__()
             self.rounds, self._pending = [], []
 
-        def choose(self, rates, caps, depth, batch=None):
-            k = super().choose(rates, caps, depth, batch)
+        def choose(self, rates, caps, depth, batch=None, most=None):
+            k = super().choose(rates, caps, depth, batch, most)
             chosen = getattr(self, "_chosen", None)
             self._pending.append({
                 "batch": len(caps),

@@ -89,7 +89,7 @@ class RandomPolicy:
         self.random = random.Random(seed)
         self.full = full
 
-    def choose(self, rates, caps, depth, batch=None):
+    def choose(self, rates, caps, depth, batch=None, most=None):
         if self.full and self.random.random() < self.full:
             return max(caps, default=0)
         return self.random.randint(0, max(caps, default=0))
@@ -656,7 +656,7 @@ class NeverDrafts(FixedPolicy):
     def __init__(self):
         self.seen = []
 
-    def choose(self, rates, caps, depth, batch=None):
+    def choose(self, rates, caps, depth, batch=None, most=None):
         self.seen.append((len(caps), batch))
         return 0
 
@@ -729,7 +729,7 @@ def test_a_parked_batchs_drafter_takes_its_rounds_in_at_once(monkeypatch, pipeli
         rounds = 0
         observed = []
 
-        def choose(self, rates, caps, depth, batch=None):
+        def choose(self, rates, caps, depth, batch=None, most=None):
             self.rounds += 1
             return 0 if self.rounds <= 20 else max(caps, default=0)
 
@@ -777,7 +777,7 @@ def test_rounds_that_copy_caches_for_rows_joining_or_leaving_are_not_timed_for_t
         def __init__(self):
             self.sizes, self.observed = [], []
 
-        def choose(self, rates, caps, depth, batch=None):
+        def choose(self, rates, caps, depth, batch=None, most=None):
             self.sizes.append(len(caps))
             return super().choose(rates, caps, depth, batch)
 
@@ -819,7 +819,7 @@ def test_rows_leaving_a_parked_batch_hand_back_the_drafters_entries(monkeypatch,
     class Parked:
         name = "parked"
 
-        def choose(self, rates, caps, depth, batch=None):
+        def choose(self, rates, caps, depth, batch=None, most=None):
             return 0
 
     handed_back = []
@@ -1392,6 +1392,35 @@ def test_a_rounds_width_stays_where_changing_it_costs_more_than_its_rows():
     assert round_width(2, 4, costs, keep=4, switch=0.0) == 2
 
 
+def test_near_their_budgets_ends_rows_padded_to_the_round_befores_width_pay_no_change():
+    """Requests near the end of their budgets may judge 2 drafts, but on the
+    H200's flat bf16 curve a round of 2 drafts is padded to the 7 the round
+    before verified: its shape does not change, and only a plain round pays
+    the change (here 50 ms, an eighth of it a round). The policy drafts.
+    Where the requests' own limit is 2 drafts (no padding to 7 there), every
+    count changes the shape, and plain decoding is faster."""
+    bf16 = RoundCosts(0.005, [c / 1000 for c in (12.8, 15.7, 15.8, 15.9, 16.1, 16.4, 16.0, 16.1)])
+    policy = BatchPolicy(lambda batch, depth: bf16)
+    policy.switch_cost = 0.050
+    assert policy.choose([[0.9] * 7], [7], 100, most=7) == 7
+    assert policy.width(7, 7, 100, batch=1) == 7
+    assert policy.choose([[0.2] * 7], [2], 100, most=7) == 2
+    assert policy.width(2, 7, 100, batch=1) == 7
+    assert policy.choose([[0.2] * 7], [2], 100, most=2) == 0
+
+
+def test_after_a_round_nobody_could_draft_in_drafting_again_is_a_change():
+    """A round in which every request had its last token to emit decodes
+    plainly: the next round's drafts change the shape and pay for it, so
+    drafting that is barely faster than plain decoding does not resume."""
+    bf16 = RoundCosts(0.005, [c / 1000 for c in (12.8, 15.7, 15.8, 15.9, 16.1, 16.4, 16.0, 16.1)])
+    policy = BatchPolicy(lambda batch, depth: bf16)
+    policy.switch_cost = 0.050
+    assert policy.choose([[0.5] * 7], [0], 100, most=7) == 0
+    assert policy.choose([[0.5] * 7], [2], 100, most=7) == 0
+    assert BatchPolicy(lambda batch, depth: bf16).choose([[0.5] * 7], [2], 100, most=7) == 2
+
+
 def test_a_round_faster_than_its_measured_forwards_has_no_overhead():
     """A round read sooner than its forwards were measured to take (noise,
     or a pipelined round that started while the one before it was read)
@@ -1957,7 +1986,7 @@ def test_the_generator_reports_each_rounds_time_to_the_policy():
         def __init__(self):
             self.chosen, self.observed = [], []
 
-        def choose(self, rates, caps, depth, batch=None):
+        def choose(self, rates, caps, depth, batch=None, most=None):
             self.chosen.append(super().choose(rates, caps, depth, batch))
             return self.chosen[-1]
 
@@ -2036,7 +2065,7 @@ def test_a_joining_sequence_starts_from_the_drafters_recent_acceptance():
         def __init__(self):
             self.rates = []
 
-        def choose(self, rates, caps, depth, batch=None):
+        def choose(self, rates, caps, depth, batch=None, most=None):
             self.rates.append(rates)
             return super().choose(rates, caps, depth, batch)
 

@@ -674,7 +674,8 @@ class SpeculativeBatchGenerator:
         caps = [max(0, min(s.num_draft_tokens, s.remaining - 1)) for s in live]
         rates = [s.acceptance.rates() for s in live]
         depth = max(len(s.tokens) for s in rows.sequences)
-        k = self.policy.choose(rates, caps, depth, batch=len(rows))
+        most = max((s.num_draft_tokens for s in live), default=0)
+        k = self.policy.choose(rates, caps, depth, batch=len(rows), most=most)
         caps = iter(caps)
         return [0 if s.finished else min(k, next(caps)) for s in rows.sequences]
 

@@ -186,22 +186,28 @@ def expected_tokens(rates: Sequence[float], drafts: int) -> float:
 def best_drafts(
     rates: Sequence[Sequence[float]], caps: Sequence[int], costs: RoundCosts,
     keep: Optional[int] = None, switch: float = 0.0,
+    width: Optional[Callable[[int], int]] = None,
 ) -> int:
     """The ``k`` in ``0..max(caps)`` with the most expected tokens per second
-    for the batch (sequence ``b`` verifies ``min(k, caps[b])`` drafts); when
-    that is a drafting round, the most drafts within ``NEAR_BEST`` of it and
-    faster than plain decoding. Where a change of shape costs ``switch``
-    seconds, a ``k`` other than ``keep`` (the round before's) pays them,
-    and ``keep`` stays wherever it is within ``NEAR_BEST`` of the best."""
-    speeds = []
+    for the batch (sequence ``b`` verifies ``min(k, caps[b])`` drafts, and
+    the round drafts and verifies ``width(k)`` for each, by default ``k``:
+    see ``round_width``); when that is a drafting round, the most drafts
+    within ``NEAR_BEST`` of it and faster than plain decoding. Where a
+    change of shape costs ``switch`` seconds, a round whose width is not
+    ``keep`` (the round before's) pays them, and a ``k`` verified at
+    ``keep`` stays wherever it is within ``NEAR_BEST`` of the best."""
+    speeds, widths = [], []
     for k in range(min(max(caps, default=0), len(costs.verify) - 1) + 1):
-        seconds = costs.verify[k] + (costs.draft if k else 0.0) + (switch if k != keep else 0.0)
+        w = width(k) if k and width else k
+        seconds = costs.verify[w] + (costs.draft if k else 0.0) + (switch if w != keep else 0.0)
         tokens = sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
         speeds.append(tokens / seconds)
+        widths.append(w)
     near = max(speeds, default=0.0) * (1 - NEAR_BEST)
     drafting = [k for k, speed in enumerate(speeds) if k and speed > speeds[0] and speed >= near]
-    if switch and keep in drafting:
-        return keep
+    kept = [k for k in drafting if widths[k] == keep]
+    if switch and kept:
+        return max(kept)
     return max(drafting, default=0)
 
 
@@ -299,19 +305,27 @@ class BatchPolicy:
         self._was_parked = None
         self._observed = False  # whether rounds' times are observed at all
 
-    def choose(self, rates, caps, depth: int, batch: Optional[int] = None) -> int:
+    def choose(
+        self, rates, caps, depth: int, batch: Optional[int] = None, most: Optional[int] = None
+    ) -> int:
         """``k`` for the live sequences' ``rates`` and ``caps``; ``batch``:
         the rows the round verifies, finished ones riding along included
-        (by default one per live sequence)."""
+        (by default one per live sequence); ``most``: the most drafts any
+        of them may verify, which a round may pad to (``width``; by default
+        ``max(caps)``)."""
+        batch = batch or len(caps)
         if not caps or max(caps) == 0:
             self._chosen.append(None)
-            self._shape = None
+            self._shape = (batch, 0) if caps else None
             return 0
-        batch = batch or len(caps)
         measured = self.costs(batch, depth)
         costs = self.realised(measured, batch)
         self._keep = self._keeping(batch)
-        k = best_drafts(rates, caps, costs, *self._keep)
+        most = most or max(caps)
+        k = best_drafts(
+            rates, caps, costs, *self._keep,
+            width=lambda k: round_width(k, most, measured, *self._keep),
+        )
         self._log_switch(k, max(caps), batch, depth, costs)
         if k:
             self.parked = 0
@@ -477,7 +491,9 @@ class FixedPolicy:
 
     name = "fixed"
 
-    def choose(self, rates, caps, depth: int, batch: Optional[int] = None) -> int:
+    def choose(
+        self, rates, caps, depth: int, batch: Optional[int] = None, most: Optional[int] = None
+    ) -> int:
         return max(caps, default=0)
 
 
