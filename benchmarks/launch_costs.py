@@ -14,12 +14,18 @@ finishing it, and counts the primitives it evaluates:
 - ``draft``: the drafter's call for ``k`` drafts;
 - ``verdict``: judging a verify's logits, rolling the caches back and the
   drafter taking in the kept taps (the verify itself already evaluated);
-- ``round``: a whole round as ``next()`` launches it.
+- ``draft_then_verify``: the verify launched while the drafter runs;
+- ``round``: a whole round as ``next()`` launches it, and the same with
+  the drafts launched with the verify (``round_one_launch``) or evaluated
+  before it is built (``round_drafts_first``); ``next_*``: the median
+  ``next()`` of each.
 
 ``--ops`` then launches many copies of one kind of operation at the round's
 shapes (matmuls, attention with and without a mask, slice updates, gathers,
 elementwise work) and reports the host's launch time per operation of each
-kind.
+kind. ``--fusion`` times 48 layers' projections as separate matmuls
+against q/k/v and gate/up fused, and how long a launch of many
+device-heavy operations holds the host (MLX's throttle).
 """
 
 import argparse
@@ -93,27 +99,32 @@ def launch(build, undo=None, setup=None, repeats=10):
     }
 
 
-def parts(model, drafter, batch, drafts):
+def parts(model, drafter, batch_prompts, drafts):
     generator = SpeculativeBatchGenerator(
         model, drafter, completion_batch_size=64, policy=FixedPolicy(),
         num_draft_tokens=drafts, pipeline=False,
     )
-    generator.insert(batch, max_tokens=[10**6] * len(batch))
-    while len(generator._generation) < len(batch):
+    generator.insert(batch_prompts, max_tokens=[10**6] * len(batch_prompts))
+    while len(generator._generation) < len(batch_prompts):
         generator.next()
     for _ in range(3):
         generator.next()
     rows = generator._generation
     anchors = generator._anchors()
     mx.eval(anchors)
-    B = len(batch)
+    B = len(batch_prompts)
     result = {}
 
+    def undone(caches, undo):
+        # Undone on the device before the next part, whose launch (and
+        # primitive count) would take the undo in otherwise.
+        return lambda: (undo(), mx.eval([c.state for c in caches]))
+
     cache = make_prompt_cache(model)
-    mx.eval(model(mx.array(batch), cache=cache))
+    mx.eval(model(mx.array(batch_prompts), cache=cache))
     result["mlx_lm_step"] = launch(
         lambda: [model(anchors[:, None], cache=cache)] + [c.state for c in cache],
-        lambda: [c.trim(1) for c in cache],
+        undone(cache, lambda: [c.trim(1) for c in cache]),
     )
 
     def forward(n):
@@ -123,7 +134,7 @@ def parts(model, drafter, batch, drafts):
         return build
 
     def trim(n):
-        return lambda: [c.trim(n) for c in rows.target_cache]
+        return undone(rows.target_cache, lambda: [c.trim(n) for c in rows.target_cache])
 
     result["forward_1"] = launch(forward(1), trim(1))
     result["forward_k"] = launch(forward(drafts + 1), trim(drafts + 1))
@@ -151,6 +162,7 @@ def parts(model, drafter, batch, drafts):
     state = {}
 
     def verify():
+        state["cursors"] = [c._idx for c in rows.caches()]
         out = generator._forward(rows, inputs)
         mx.eval(out.logits, out.hidden, [c.state for c in rows.caches()])
         state["out"] = out
@@ -169,9 +181,13 @@ def parts(model, drafter, batch, drafts):
         return [log_probs, accepted, tokens] + [c.state for c in rows.caches()]
 
     def undo_verdict():
+        # Every row wrote drafts + 1 slots at the cursor: all of them go.
         accepted = state.pop("accepted").tolist()
-        rows.settle([drafts - a for a in accepted], reuse=True)
+        rows.settle([drafts - a for a in accepted], reuse=False)
         rows.trim_rows([a + 1 for a in accepted])
+        for c, cursor in zip(rows.caches(), state.pop("cursors")):
+            c._idx = cursor
+        mx.eval([c.state for c in rows.caches()])
 
     result["verdict"] = launch(verdict, undo_verdict, setup=verify, repeats=5)
 
@@ -182,12 +198,16 @@ def parts(model, drafter, batch, drafts):
 
     def read_round():
         generator._collect(state.pop("launched"), reuse=True)
+        mx.eval([c.state for c in rows.caches()])
 
     result["round"] = launch(whole_round, read_round)
-    with drafts_launched(None):
-        result["round_one_launch"] = launch(whole_round, read_round)
-    with drafts_launched(mx.eval):
-        result["round_drafts_first"] = launch(whole_round, read_round)
+    for tag, how in (("round_one_launch", None), ("round_drafts_first", mx.eval)):
+        # Inside the timing's own wrapper, so that each launch counts once.
+        def variant(how=how):
+            with drafts_launched(how):
+                return whole_round()
+
+        result[tag] = launch(variant, read_round)
     for tag, how in (("next_ms", "keep"), ("next_one_launch_ms", None), ("next_drafts_first_ms", mx.eval)):
         with drafts_launched(how) if how != "keep" else contextlib.nullcontext():
             result[tag] = next_ms(generator, 20)
@@ -241,7 +261,7 @@ def op_shapes(batch, rows, context, scale):
     logits = mx.random.normal((batch, rows, 262144 // scale)).astype(dtype)
     norm_weight = mx.ones((hidden,), dtype)
     mx.eval(x, w, w_up, q, k, v, bool_mask, positions, index, logits, norm_weight)
-    scale = head_dim ** -0.5
+    attention_scale = head_dim ** -0.5
     return {
         "add": lambda i: x + i,
         "add_views": lambda i: (x + i).reshape(batch, rows, 16, -1).transpose(0, 2, 1, 3).reshape(batch, -1),
@@ -249,9 +269,9 @@ def op_shapes(batch, rows, context, scale):
         "matmul_ffn": lambda i: (x + i) @ w_up.T,
         "rms_norm": lambda i: mx.fast.rms_norm(x + i, norm_weight, 1e-6),
         "rope": lambda i: mx.fast.rope(q + i, head_dim, traditional=False, base=1e4, scale=1.0, offset=context),
-        "sdpa_no_mask": lambda i: mx.fast.scaled_dot_product_attention(q + i, k, v, scale=scale),
-        "sdpa_causal": lambda i: mx.fast.scaled_dot_product_attention(q + i, k, v, scale=scale, mask="causal"),
-        "sdpa_bool_mask": lambda i: mx.fast.scaled_dot_product_attention(q + i, k, v, scale=scale, mask=bool_mask),
+        "sdpa_no_mask": lambda i: mx.fast.scaled_dot_product_attention(q + i, k, v, scale=attention_scale),
+        "sdpa_causal": lambda i: mx.fast.scaled_dot_product_attention(q + i, k, v, scale=attention_scale, mask="causal"),
+        "sdpa_bool_mask": lambda i: mx.fast.scaled_dot_product_attention(q + i, k, v, scale=attention_scale, mask=bool_mask),
         "slice_update": lambda i: _slice_update(k, q[:, :kv_heads] + i, context - rows),
         "take_along_axis": lambda i: mx.take_along_axis(k + i, index, axis=2),
         "compare_where": lambda i: mx.where(positions >= i, -1, positions),

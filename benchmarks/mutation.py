@@ -354,8 +354,10 @@ MUTANTS = [
     Mutant(
         "a round pads to the cheapest width only",
         "mlx_dspark/batching/policy.py",
-        "    return max(w for w in widths if costs.verify[w] <= cheapest * (1 + NEAR_BEST))",
-        "    return min(w for w in widths if costs.verify[w] <= cheapest)",
+        "    near = [w for w in widths if seconds[w] <= cheapest * (1 + NEAR_BEST)]\n"
+        "    return keep if switch and keep in near else max(near)",
+        "    near = [w for w in widths if seconds[w] <= cheapest]\n"
+        "    return keep if switch and keep in near else min(near)",
         ("tests/test_batching.py", "-k", "about_the_same"),
     ),
     Mutant(
@@ -663,8 +665,8 @@ MUTANTS = [
     Mutant(
         "a change of drafts pays nothing for the change",
         "mlx_dspark/batching/policy.py",
-        "costs.draft if k else 0.0) + (switch if k != keep else 0.0)",
-        "costs.draft if k else 0.0)",
+        "(costs.draft if k else 0.0) + (switch if w != keep else 0.0)",
+        "(costs.draft if k else 0.0)",
         ("tests/test_batching.py", "-k", "keeps_its_drafts or width_stays"),
     ),
     Mutant(
@@ -687,6 +689,20 @@ MUTANTS = [
         "if before not in (None, (batch, drafts)) and kind in self.overheads:",
         "if before is not None and kind in self.overheads:",
         ("tests/test_batching.py", "-k", "keeps_its_drafts or width_stays"),
+    ),
+    Mutant(
+        "draft counts weighed at their own width, not the one they are padded to",
+        "mlx_dspark/batching/policy.py",
+        "w = width(k) if k and width else k",
+        "w = k",
+        ("tests/test_batching.py", "-k", "budgets_ends"),
+    ),
+    Mutant(
+        "a round nobody could draft in forgets the round's shape",
+        "mlx_dspark/batching/policy.py",
+        "self._shape = (batch, 0) if caps else None",
+        "self._shape = None",
+        ("tests/test_batching.py", "-k", "nobody_could"),
     ),
     Mutant(
         "costs measured ahead at the bucket above the one named",

@@ -1396,9 +1396,11 @@ def test_near_their_budgets_ends_rows_padded_to_the_round_befores_width_pay_no_c
     """Requests near the end of their budgets may judge 2 drafts, but on the
     H200's flat bf16 curve a round of 2 drafts is padded to the 7 the round
     before verified: its shape does not change, and only a plain round pays
-    the change (here 50 ms, an eighth of it a round). The policy drafts.
-    Where the requests' own limit is 2 drafts (no padding to 7 there), every
-    count changes the shape, and plain decoding is faster."""
+    the change (here 50 ms, an eighth of it a round), so the policy drafts
+    (58.8 tokens/s against 52.5). Charged for a change too, as when each
+    count was weighed unpadded, 2 drafts would give 44.5. Where the
+    requests may verify only 2 drafts, no round is padded to 7 and plain
+    decoding is the faster round."""
     bf16 = RoundCosts(0.005, [c / 1000 for c in (12.8, 15.7, 15.8, 15.9, 16.1, 16.4, 16.0, 16.1)])
     policy = BatchPolicy(lambda batch, depth: bf16)
     policy.switch_cost = 0.050

@@ -311,8 +311,9 @@ class BatchPolicy:
         """``k`` for the live sequences' ``rates`` and ``caps``; ``batch``:
         the rows the round verifies, finished ones riding along included
         (by default one per live sequence); ``most``: the most drafts any
-        of them may verify, which a round may pad to (``width``; by default
-        ``max(caps)``)."""
+        of them may verify, which a round pads its drafts up to (``width``);
+        without it each count is weighed unpadded (a single stream pads on
+        its own, see ``speculative.pacing``)."""
         batch = batch or len(caps)
         if not caps or max(caps) == 0:
             self._chosen.append(None)
@@ -321,11 +322,10 @@ class BatchPolicy:
         measured = self.costs(batch, depth)
         costs = self.realised(measured, batch)
         self._keep = self._keeping(batch)
-        most = most or max(caps)
-        k = best_drafts(
-            rates, caps, costs, *self._keep,
-            width=lambda k: round_width(k, most, measured, *self._keep),
-        )
+        width = None
+        if most:
+            width = lambda k: round_width(k, most, measured, *self._keep)  # noqa: E731
+        k = best_drafts(rates, caps, costs, *self._keep, width=width)
         self._log_switch(k, max(caps), batch, depth, costs)
         if k:
             self.parked = 0
