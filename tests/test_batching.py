@@ -1423,6 +1423,25 @@ def test_after_a_round_nobody_could_draft_in_drafting_again_is_a_change():
     assert BatchPolicy(lambda batch, depth: bf16).choose([[0.5] * 7], [2], 100, most=7) == 2
 
 
+def test_a_change_after_a_round_nobody_could_draft_in_is_learnt_as_a_change():
+    """Once the policy has timed its drafting rounds, a round in which no
+    request could draft is remembered as a plain round's shape: when the
+    next round drafts again and takes 30 ms longer than predicted, that is
+    what a change of shape costs, not an overhead of drafting."""
+    costs = RoundCosts(0.004, [0.020] * 5)
+    policy = BatchPolicy(lambda batch, depth: costs)
+    for _ in range(WARM_ROUNDS + 1):
+        k = policy.choose([[0.9] * 4], [4], 100)
+        policy.observe(costs.verify[k] + costs.draft)
+    assert policy.choose([[0.9] * 4], [0], 100) == 0
+    policy.observe(0.050)
+    k = policy.choose([[0.9] * 4], [4], 100)
+    assert k == 4
+    policy.observe(costs.verify[k] + costs.draft + 0.030)
+    assert policy.switch_cost == pytest.approx(0.030)
+    assert policy.overheads == {(1, True): 0.0}
+
+
 def test_a_round_faster_than_its_measured_forwards_has_no_overhead():
     """A round read sooner than its forwards were measured to take (noise,
     or a pipelined round that started while the one before it was read)

@@ -290,7 +290,8 @@ class BatchPolicy:
         self._seen = Counter()
         self._recent = defaultdict(lambda: deque(maxlen=RECENT_ROUNDS))
         # (batch size, drafts verified, drafted, predicted seconds) of each
-        # round chosen and not yet observed, oldest first.
+        # round chosen and not yet observed, oldest first (no prediction:
+        # nobody could draft, nothing measured to learn against).
         self._chosen = deque()
         # What a change of the round's shape costs beyond its kind's
         # overhead (the median of the recent changes: one noisy change
@@ -316,8 +317,8 @@ class BatchPolicy:
         its own, see ``speculative.pacing``)."""
         batch = batch or len(caps)
         if not caps or max(caps) == 0:
-            self._chosen.append(None)
             self._shape = (batch, 0) if caps else None
+            self._chosen.append(self._shape and (batch, 0, False, None))
             return 0
         measured = self.costs(batch, depth)
         costs = self.realised(measured, batch)
@@ -460,11 +461,12 @@ class BatchPolicy:
         """The realised time of the oldest round chosen and not yet
         observed (the generator reads rounds in the order they were
         chosen); ``None`` for a round whose time is not its own (it also
-        did work deferred from other rounds)."""
+        did work deferred from other rounds). A round nobody could draft in
+        teaches nothing but its shape: the next round that drafts changes it."""
         self._observed = True
         chosen = self._chosen.popleft() if self._chosen else None
         before, self._observed_shape = self._observed_shape, chosen and chosen[:2]
-        if chosen is None or seconds is None:
+        if chosen is None or seconds is None or chosen[3] is None:
             return
         batch, drafts, drafted, predicted = chosen
         self._seen[batch, drafts] += 1
