@@ -705,6 +705,13 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "nobody_could"),
     ),
     Mutant(
+        "a round nobody could draft in leaves no shape to observe",
+        "mlx_dspark/batching/policy.py",
+        "self._chosen.append(self._shape and (batch, 0, False, None))",
+        "self._chosen.append(None)",
+        ("tests/test_batching.py", "-k", "nobody_could"),
+    ),
+    Mutant(
         "costs measured ahead at the bucket above the one named",
         "mlx_dspark/batching/measure.py",
         "depth = bucket * 3 // 4",
