@@ -7,7 +7,11 @@ alternating): N sequences, each with its own prompt, generate
 decode time (prompt processing excluded), as mlx-lm's ``BatchStats``
 reports it. Per batch size and generator: aggregate tokens/s, the ratio to
 plain batching, and for the speculative ones tau and the mean drafts the
-policy verified per round.
+policy verified per round. ``--single``: at batch size 1, also the
+single-stream engine (``speculative_generate_step``, fixed and cost
+schedulers) on the same prompt, decode tokens over decode time alike (the
+prompt and the first token excluded): what a single stream would gain or
+lose as a batch of one.
 
 Default: the bundled tiny Gemma-4 pair (real acceptance). ``--shapes 12b``
 (or ``--scale N``): random weights at Gemma-4-12B shapes with **replayed
@@ -19,6 +23,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,6 +34,7 @@ import mlx_dspark
 from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.batching.policy import BatchPolicy, FixedPolicy
 from mlx_dspark.progress import progress
+from mlx_dspark.speculative.engine import speculative_generate_step
 from mlx_dspark.speculative.stats import SpeculativeStats
 
 import shapes
@@ -57,6 +63,19 @@ def run(make, prompts_, max_tokens, stats=None, like_server=False):
     return measured.generation_tokens / measured.decode_time
 
 
+def run_single(model, drafter, prompt, max_tokens, scheduler, stats):
+    """Decode tokens/s of the single-stream engine: from its first token
+    (the prompt processed) to its last."""
+    steps = speculative_generate_step(
+        mx.array(prompt, mx.uint32), model, drafter, max_tokens=max_tokens,
+        scheduler=scheduler, stats=stats,
+    )
+    next(steps)
+    tic = time.perf_counter()
+    tokens = sum(1 for _ in steps)
+    return tokens / (time.perf_counter() - tic)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", choices=["12b"])
@@ -72,6 +91,7 @@ def main():
         "each token's log-probability read on the host",
     )
     parser.add_argument("--serial", action="store_true", help="also both policies with rounds not pipelined")
+    parser.add_argument("--single", action="store_true", help="at batch size 1, also the single-stream engine")
     parser.add_argument(
         "--calibration", type=Path,
         help="also the cost policy with the drafter calibrated by this file "
@@ -121,8 +141,14 @@ def main():
         generators["spec-cost-calibrated"] = lambda: SpeculativeBatchGenerator(
             model, calibrated, completion_batch_size=64, policy=BatchPolicy(), **stream
         )
+    singles = {"single-fixed": "fixed", "single-cost": "cost"} if args.single else {}
     results = []
     for n in args.batch:
+        if n == 1:
+            generators.update({name: None for name in singles})
+        else:
+            for name in singles:
+                generators.pop(name, None)
         speeds = {name: [] for name in generators}
         stats = {name: [] for name in generators if name != "plain"}
         order = list(generators)
@@ -134,7 +160,12 @@ def main():
                 else:
                     per_row = [SpeculativeStats(drafter.name, drafter.block_size) for _ in batch]
                     with replayed_acceptance(args.tau, drafter.block_size, seed=r) if replay else contextlib.nullcontext():
-                        speed = run(generators[name], batch, args.max_tokens, per_row, args.like_server)
+                        if name in singles:
+                            speed = run_single(
+                                model, drafter, batch[0], args.max_tokens, singles[name], per_row[0]
+                            )
+                        else:
+                            speed = run(generators[name], batch, args.max_tokens, per_row, args.like_server)
                     if r:
                         stats[name] += per_row
                 if r:  # the first pass warms up
