@@ -92,6 +92,7 @@ def main():
     )
     parser.add_argument("--serial", action="store_true", help="also both policies with rounds not pipelined")
     parser.add_argument("--single", action="store_true", help="at batch size 1, also the single-stream engine")
+    parser.add_argument("--only", nargs="+", help="run only these generators (plain always runs)")
     parser.add_argument(
         "--calibration", type=Path,
         help="also the cost policy with the drafter calibrated by this file "
@@ -149,6 +150,9 @@ def main():
         else:
             for name in singles:
                 generators.pop(name, None)
+        if args.only:
+            for name in [g for g in generators if g != "plain" and g not in args.only]:
+                generators.pop(name)
         speeds = {name: [] for name in generators}
         stats = {name: [] for name in generators if name != "plain"}
         order = list(generators)
