@@ -705,6 +705,20 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "nobody_could"),
     ),
     Mutant(
+        "a verify pads to a lone cheap row count",
+        "mlx_dspark/confidence/costs.py",
+        "if self.verify[n - 1] <= saving and self.verify[n] <= saving",
+        "if self.verify[n - 1] <= saving",
+        ("tests/test_pacing.py", "-k", "lone"),
+    ),
+    Mutant(
+        "a verify pads for any saving",
+        "mlx_dspark/confidence/costs.py",
+        "saving = self.verify[tokens - 1] * (1 - PAD_SAVING)",
+        "saving = self.verify[tokens - 1]",
+        ("tests/test_pacing.py", "-k", "jagged or lone"),
+    ),
+    Mutant(
         "a round nobody could draft in leaves no shape to observe",
         "mlx_dspark/batching/policy.py",
         "self._chosen.append(self._shape and (batch, 0, False, None))",
