@@ -11,7 +11,9 @@ policy verified per round. ``--single``: at batch size 1, also the
 single-stream engine (``speculative_generate_step``, fixed and cost
 schedulers) on the same prompt, decode tokens over decode time alike (the
 prompt and the first token excluded): what a single stream would gain or
-lose as a batch of one.
+lose as a batch of one. (With replayed acceptance the single stream's
+rounds draw from the shared random stream, the batch's per prompt: both see
+the same acceptance rate, not the same rounds.)
 
 Default: the bundled tiny Gemma-4 pair (real acceptance). ``--shapes 12b``
 (or ``--scale N``): random weights at Gemma-4-12B shapes with **replayed
@@ -100,6 +102,8 @@ def main():
     )
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.single and 1 not in args.batch:
+        parser.error("--single runs at batch size 1: include 1 in --batch")
 
     replay = args.shapes or args.scale
     if replay:
@@ -143,6 +147,9 @@ def main():
             model, calibrated, completion_batch_size=64, policy=BatchPolicy(), **stream
         )
     singles = {"single-fixed": "fixed", "single-cost": "cost"} if args.single else {}
+    unknown = set(args.only or ()) - set(generators) - set(singles) - {"plain"}
+    if unknown:
+        parser.error(f"--only: no generator named {', '.join(sorted(unknown))}")
     results = []
     for n in args.batch:
         if n == 1:

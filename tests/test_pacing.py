@@ -105,7 +105,6 @@ def verify_rows_seen(monkeypatch):
     return seen
 
 
-# 5 rows (4 drafts) cost more than 8: every speculative round pads to 8.
 def test_a_lone_cheap_row_count_is_noise_and_pads_nothing():
     """A verify of 5 rows measured 28% under one row, and 6 rows 35% over
     it: no kernel switch makes one row count alone cheap, so no verify is
@@ -119,6 +118,7 @@ def test_a_lone_cheap_row_count_is_noise_and_pads_nothing():
     assert [switch.cheapest_rows(n) for n in range(1, 6)] == [5, 5, 5, 5, 5]
 
 
+# 5 rows (4 drafts) cost more than 8: every speculative round pads to 8.
 JAGGED = [0.010, 0.020, 0.030, 0.040, 0.050, 0.060, 0.070] + [0.015] * 9
 
 

@@ -97,7 +97,7 @@ class ThresholdScheduler:
 
 class CostScheduler:
     """Algorithm 1 for one request, with the round's measured costs: the
-    verify of ``1 + ℓ`` tokens (at its cheapest row count) plus the draft, at
+    verify of ``1 + ℓ`` tokens (padded, ``RoundCosts.cheapest_rows``) plus the draft, at
     the current depth. Without ``temperatures`` (a drafter without a
     confidence head) every draft the engine's pacing asks for is verified."""
 
@@ -121,8 +121,8 @@ class CostScheduler:
         return self.profiles[timer.key]
 
     def costs(self, depth: int, timer: RoundTimer, most: Optional[int] = None) -> RoundCosts:
-        """The measured costs at ``depth``, every verify padded to its
-        cheapest row count; ``most``: measure no more than that many verify
+        """The measured costs at ``depth``, every verify padded as
+        ``RoundCosts.cheapest_rows`` pads it; ``most``: measure no more than that many verify
         lengths now (``CostProfile.costs``)."""
         return self.profile(timer).costs(depth, timer, most=most).padded()
 

@@ -7,8 +7,8 @@ round proposes the number of drafts with the most expected tokens per second
 the measured round costs, and 0 (a plain decode step, the drafter idle) when
 speculating is slower; a parked
 generation re-probes now and then (``batching.policy``). The verify then runs
-at the cheapest row count at least as long as ``[anchor, drafts]``, padded
-after the drafts: attention is causal, so the real rows' logits are the same,
+at the row count ``RoundCosts.cheapest_rows`` picks for ``[anchor, drafts]``
+(more rows only where clearly cheaper), padded after the drafts: attention is causal, so the real rows' logits are the same,
 and the padding's outputs are discarded and its cache entries rolled back.
 
 At a depth whose costs are not measured yet, each round measures the next
