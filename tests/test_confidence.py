@@ -39,6 +39,7 @@ from mlx_dspark.confidence.schedulers import (
     CostScheduler,
     ThresholdScheduler,
     prefix_schedule,
+    scheduler_for,
 )
 from mlx_dspark.speculative.acceptance import rejection_accept
 
@@ -687,6 +688,20 @@ def test_cost_scheduler_in_the_engine_is_lossless_and_predicts(
     # with verifies of up to 16 rows (for the padding).
     [profile] = (tmp_path / "verify-cost").glob("*.json")
     assert len(json.loads(profile.read_text())["512"]["verify"]) == 16
+
+
+def test_a_scheduler_named_per_call_keeps_what_it_learnt(tiny_pair, tmp_path, monkeypatch):
+    """``scheduler="cost"`` passed with each generation of a drafter loaded
+    with another scheduler is one scheduler, as the drafter's own would be:
+    the next generation starts from the acceptance the last one learnt."""
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    model, _ = tiny_pair
+    drafter = mlx_dspark.load_drafter(DSPARK, calibration=False)  # its own, fresh
+    assert drafter.scheduler.name != "cost"
+    speculative(model, drafter, [65, 211, 266, 241], 30, scheduler="cost")
+    scheduler = scheduler_for("cost", drafter)
+    assert scheduler.recent_acceptance
+    assert scheduler_for("cost", drafter) is scheduler
 
 
 class WrongScheduler:

@@ -18,6 +18,7 @@ position by position and stop at the first refusal.
 """
 
 import warnings
+import weakref
 from typing import Callable, List, Optional, Sequence
 
 from .calibration import Calibration, sigmoid, survival
@@ -186,9 +187,16 @@ def make_scheduler(
     return CostScheduler(calibration.temperatures)
 
 
+# Schedulers made by name for a drafter loaded with another one, kept for
+# its later generations as its own would be: ``cost`` learns the drafter's
+# acceptance and the machine's costs as it goes.
+_named = weakref.WeakKeyDictionary()
+
+
 def scheduler_for(choice, drafter):
     """The scheduler for one generation: ``None`` (the drafter's own, or
-    ``fixed``), a name, or a scheduler object."""
+    ``fixed``), a name (the same object each generation of this drafter),
+    or a scheduler object."""
     if choice is None:
         return getattr(drafter, "scheduler", None) or FixedScheduler()
     if not isinstance(choice, str):
@@ -201,12 +209,18 @@ def scheduler_for(choice, drafter):
         )
     if own is not None and own.name == choice:
         return own
-    model = getattr(drafter, "model", None)
-    return make_scheduler(
-        choice,
-        0.0,
-        getattr(drafter, "calibration", None),
-        drafter.block_size,
-        getattr(model, "confidence_head", None) is not None,
-        getattr(drafter, "path", "this drafter"),
-    )
+    try:
+        named = _named.setdefault(drafter, {})
+    except TypeError:  # a drafter that cannot be weakly referenced
+        named = {}
+    if choice not in named:
+        model = getattr(drafter, "model", None)
+        named[choice] = make_scheduler(
+            choice,
+            0.0,
+            getattr(drafter, "calibration", None),
+            drafter.block_size,
+            getattr(model, "confidence_head", None) is not None,
+            getattr(drafter, "path", "this drafter"),
+        )
+    return named[choice]
