@@ -705,6 +705,13 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "nobody_could"),
     ),
     Mutant(
+        "a scheduler named per call is made anew each generation",
+        "mlx_dspark/confidence/schedulers.py",
+        "    if choice not in named:\n",
+        "    if True:\n",
+        ("tests/test_confidence.py", "-k", "named_per_call"),
+    ),
+    Mutant(
         "a verify pads to a lone cheap row count",
         "mlx_dspark/confidence/costs.py",
         "if self.verify[n - 1] <= saving and self.verify[n] <= saving",
