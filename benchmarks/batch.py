@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -100,8 +101,16 @@ def main():
         help="also the cost policy with the drafter calibrated by this file "
         "(rounds verified by their confidences; real acceptance only)",
     )
+    parser.add_argument(
+        "--python-hook", action="store_true",
+        help="run with a no-op sys.setprofile hook, which slows every Python call as "
+        "cProfile does without recording: whether a slower host changes the rates "
+        "(on an H200, the batch generators ran faster under cProfile)",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.python_hook:
+        sys.setprofile(lambda frame, event, arg: None)
     if args.single and 1 not in args.batch:
         parser.error("--single runs at batch size 1: include 1 in --batch")
 

@@ -4,9 +4,10 @@ On a device where the host's launching of kernels bounds a round (MLX-CUDA,
 see BENCHMARKS.md), the host encodes every primitive of the graph it
 evaluates. This counts them, which does not depend on the machine: mlx-lm's
 ``BatchGenerator`` decode step, the target's forward through the speculative
-batch's caches (1 and ``k + 1`` rows a sequence) and through mlx-lm's, and a
+batch's caches (1 and ``k + 1`` rows a sequence) and through mlx-lm's, a
 whole speculative round (the drafter's call, then the verify, verdict,
-rollback and commit), and a round the policy parked (no drafts: the
+rollback and commit), at batch size 1 a round of the single-stream engine
+(``engine_round``), and a round the policy parked (no drafts: the
 target's step and the drafter taking in its hidden states). Views (reshapes, broadcasts, slices) are counted too;
 on the device most of them launch nothing.
 
@@ -38,6 +39,8 @@ from mlx_dspark.drafters import gemma4_dspark
 from mlx_dspark.drafters.deepspec import DeepSpecDrafter
 from mlx_dspark.drafters.deepspec_model import Model
 from mlx_dspark.integration.server import fetch_nearest_cache
+from mlx_dspark.speculative.engine import speculative_generate_step
+from mlx_dspark.speculative.stats import SpeculativeStats
 
 import shapes
 from batch import prompts
@@ -125,6 +128,8 @@ def count(target, drafter, vocab, batch, drafts):
     for _ in range(4):
         parked.next()
     row["round_parked"] = sum(sum(g.values()) for g in launched(parked))
+    if batch == 1:
+        row["engine_round"] = engine_round(target, drafter, batch_prompts[0], drafts)
     rows, anchors = spec._generation, spec._anchors()
     for n in (1, drafts + 1):
         out = spec._forward(rows, mx.repeat(anchors[:, None], n, axis=1))
@@ -134,6 +139,27 @@ def count(target, drafter, vocab, batch, drafts):
         for c in rows.target_cache:
             c.trim(n)
     return row
+
+
+def engine_round(target, drafter, prompt, drafts, rounds=10) -> float:
+    """Primitives a round of the single-stream engine evaluates (the mean
+    over ``rounds`` rounds, with replayed acceptance)."""
+    stats = SpeculativeStats(drafter.name, drafter.block_size)
+    with replayed_acceptance(3.3, drafter.block_size):
+        steps = speculative_generate_step(
+            mx.array(prompt, mx.uint32), target, drafter, max_tokens=1000,
+            scheduler="fixed", num_draft_tokens=drafts, stats=stats,
+        )
+        while len(stats.history) < 4:
+            next(steps)
+        before = len(stats.history)
+
+        def run():
+            while len(stats.history) < before + rounds:
+                next(steps)
+
+        total = evaluated(run)
+    return total / (len(stats.history) - before)
 
 
 def evaluated(call) -> int:

@@ -69,10 +69,10 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model, flags, log_dir, name):
+    def __init__(self, model, flags, log_dir, name, mode):
         self.port = free_port()
         self.log = Path(log_dir) / f"{name}.log"
-        env = {**os.environ, **MODE_ENV.get(name, {})}
+        env = {**os.environ, **MODE_ENV.get(mode, {})}
         env.pop("MLX_DSPARK_DISABLE", None)
         self.process = subprocess.Popen(
             [
@@ -221,6 +221,11 @@ def main():
     parser.add_argument("--prompt-words", type=int, default=24)
     parser.add_argument("--waves", type=int, default=3)
     parser.add_argument(
+        "--servers", type=int, default=1,
+        help="server processes per mode, their waves interleaved and pooled per mode "
+        "(two processes of one mode can differ by as much as two modes do)",
+    )
+    parser.add_argument(
         "--sustain", type=float,
         help="seconds each wave's clients keep sending requests back to back "
         "(default: one request each, the wave ends with the slowest)",
@@ -244,36 +249,40 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         logs = args.logs or scratch
         Path(logs).mkdir(parents=True, exist_ok=True)
+        if args.prime and "batched" in args.modes:
+            # Before the servers load, so that one more copy of the target
+            # needs no room beside theirs.
+            measure_costs(args, Path(logs) / "costs.log")
         servers = {
-            mode: Server(
+            server_name(mode, i, args.servers): Server(
                 args.model,
                 [f.format(draft=args.draft_model) for f in MODES[mode]]
                 + ["--log-level", args.log_level],
                 logs,
+                server_name(mode, i, args.servers),
                 mode,
             )
+            for i in range(args.servers)
             for mode in args.modes
         }
         try:
             if args.prime:
-                if "batched" in args.modes:  # the cost policy's server
-                    measure_costs(args, Path(logs) / "costs.log")
                 for n in progress(args.concurrency, desc="priming"):
-                    for mode, server in servers.items():
+                    for server in servers.values():
                         wave(server, n, -2, args.max_tokens, args.prompt_words)
             primed = datetime.datetime.now()
             results = {}
             for n in args.concurrency:
-                for mode, server in servers.items():  # warm the caches and shapes
+                for server in servers.values():  # warm the caches and shapes
                     wave(server, n, -1, args.max_tokens, args.prompt_words)
-                waves = {mode: [] for mode in servers}
+                waves = {name: [] for name in servers}
                 for w in progress(range(args.waves), desc=f"N={n}"):
                     order = list(servers) if w % 2 == 0 else list(servers)[::-1]
-                    for mode in order:
-                        waves[mode].append(
-                            wave(servers[mode], n, w, args.max_tokens, args.prompt_words, args.sustain)
+                    for name in order:
+                        waves[name].append(
+                            wave(servers[name], n, w, args.max_tokens, args.prompt_words, args.sustain)
                         )
-                results[n] = {mode: summarise(ws) for mode, ws in waves.items()}
+                results[n] = pool_servers(waves, args.modes, args.servers)
                 report(n, results[n])
                 if args.json:  # after each N, so a run cut short keeps what it measured
                     Path(args.json).write_text(
@@ -285,7 +294,7 @@ def main():
         finally:
             for server in servers.values():
                 server.stop()
-        load = {mode: load_parts(server.log, primed) for mode, server in servers.items()}
+        load = {name: load_parts(server.log, primed) for name, server in servers.items()}
         for mode, parts in load.items():
             if parts:
                 print(f"{mode}: next() by part after priming: " + ", ".join(
@@ -295,6 +304,21 @@ def main():
             written = json.loads(Path(args.json).read_text())
             written["load"] = {mode: parts for mode, parts in load.items() if parts}
             Path(args.json).write_text(json.dumps(written, indent=1))
+
+
+def server_name(mode: str, index: int, count: int) -> str:
+    return mode if count == 1 else f"{mode}.{index + 1}"
+
+
+def pool_servers(waves: dict, modes, count: int) -> dict:
+    """Each mode's waves pooled over its server processes, with each
+    process's own aggregate rate beside them (``server_tps``)."""
+    by_mode = {}
+    for mode in modes:
+        names = [server_name(mode, i, count) for i in range(count)]
+        by_mode[mode] = summarise([w for name in names for w in waves[name]])
+        by_mode[mode]["server_tps"] = [summarise(waves[name])["aggregate_tps"] for name in names]
+    return by_mode
 
 
 def measure_costs(args, log: Path) -> None:
@@ -357,6 +381,10 @@ def report(n, by_mode):
             ratio = f"{r['aggregate_tps'] / stock['aggregate_tps']:5.2f}x"
             waves = wave_ratios(r, stock)
             spread = f", waves {min(waves):.2f}-{max(waves):.2f}x" if len(waves) > 1 else ""
+            if len(r["server_tps"]) > 1:
+                spread += ", servers " + " ".join(
+                    f"{tps / stock['aggregate_tps']:.2f}x" for tps in r["server_tps"]
+                )
         print(
             f"N={n:<3} {mode:<14} aggregate {r['aggregate_tps']:8.1f} tok/s ({ratio}{spread})  "
             f"per request {r['per_request_tps']:7.1f} tok/s  "
