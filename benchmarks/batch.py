@@ -103,9 +103,9 @@ def main():
     )
     parser.add_argument(
         "--python-hook", action="store_true",
-        help="run with a no-op sys.setprofile hook, which slows every Python call as "
-        "cProfile does without recording: whether a slower host changes the rates "
-        "(on an H200, the batch generators ran faster under cProfile)",
+        help="run with a no-op Python-level sys.setprofile hook, which slows every "
+        "Python call (cProfile's hook is in C and cheaper): whether a slower host "
+        "changes the rates (on an H200, the batch generators ran faster under cProfile)",
     )
     parser.add_argument("--json")
     args = parser.parse_args()

@@ -7,7 +7,8 @@ evaluates. This counts them, which does not depend on the machine: mlx-lm's
 batch's caches (1 and ``k + 1`` rows a sequence) and through mlx-lm's, a
 whole speculative round (the drafter's call, then the verify, verdict,
 rollback and commit), at batch size 1 a round of the single-stream engine
-(``engine_round``), and a round the policy parked (no drafts: the
+(``engine_round``, fixed scheduler) and a pipelined round
+(``round_pipelined``), and a round the policy parked (no drafts: the
 target's step and the drafter taking in its hidden states). Views (reshapes, broadcasts, slices) are counted too;
 on the device most of them launch nothing.
 
@@ -130,6 +131,7 @@ def count(target, drafter, vocab, batch, drafts):
     row["round_parked"] = sum(sum(g.values()) for g in launched(parked))
     if batch == 1:
         row["engine_round"] = engine_round(target, drafter, batch_prompts[0], drafts)
+        row["round_pipelined"] = pipelined_round(target, drafter, batch_prompts, drafts)
     rows, anchors = spec._generation, spec._anchors()
     for n in (1, drafts + 1):
         out = spec._forward(rows, mx.repeat(anchors[:, None], n, axis=1))
@@ -160,6 +162,23 @@ def engine_round(target, drafter, prompt, drafts, rounds=10) -> float:
 
         total = evaluated(run)
     return total / (len(stats.history) - before)
+
+
+def pipelined_round(target, drafter, batch_prompts, drafts, rounds=10) -> float:
+    """Primitives a round evaluates when each round is launched before the
+    one before it is read (the generator's default; the server reads them
+    one by one): the mean over ``rounds`` rounds."""
+    spec = SpeculativeBatchGenerator(
+        target, drafter, completion_batch_size=64, policy=FixedPolicy(), num_draft_tokens=drafts,
+    )
+    stats = [SpeculativeStats(drafter.name, drafter.block_size) for _ in batch_prompts]
+    spec.insert(batch_prompts, max_tokens=[1000] * len(batch_prompts), stats=stats)
+    with replayed_acceptance(3.3, drafter.block_size):
+        for _ in range(6):
+            spec.next()
+        before = len(stats[0].history)
+        total = evaluated(lambda: [spec.next() for _ in range(rounds)])
+    return total / (len(stats[0].history) - before)
 
 
 def evaluated(call) -> int:

@@ -746,6 +746,13 @@ MUTANTS = [
         "while not started:",
         ("tests/test_costs_command.py",),
     ),
+    Mutant(
+        "timing a round on the live caches draws from the random state",
+        "mlx_dspark/confidence/costs.py",
+        "        return proposal.tokens, proposal.confidence\n",
+        "        mx.random.uniform()\n        return proposal.tokens, proposal.confidence\n",
+        ("tests/test_confidence.py", "-k", "timing_on_the_live"),
+    ),
 ]
 
 

@@ -13,6 +13,11 @@ took the request off its queue (until the response starts), plus the aggregate r
 stock. A response that waited over a second between two chunks is listed
 with the time it ended, to find in the servers' logs (``--logs``).
 
+Two server processes of one mode can differ as much as two modes do.
+``--servers K`` starts K processes per mode; the processes take turns wave
+by wave, each mode's waves are pooled, and each process's own rate is
+reported beside the pooled one.
+
 Waves end with their slowest request, so a batch that finishes its requests
 at different times pays for its tail in every wave. ``--sustain S`` measures
 the steady state instead: each of the N clients sends requests back to back
@@ -242,6 +247,8 @@ def main():
     parser.add_argument("--log-level", default="INFO", help="the servers' --log-level (DEBUG: the batch policy's decisions)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
+    if args.servers < 1:
+        parser.error("--servers: at least one server process per mode")
     if args.replay_tau:
         os.environ["MLX_DSPARK_REPLAY_TAU"] = str(args.replay_tau)
         os.environ["MLX_DSPARK_REPLAY_BLOCK"] = str(args.replay_block)
@@ -253,19 +260,15 @@ def main():
             # Before the servers load, so that one more copy of the target
             # needs no room beside theirs.
             measure_costs(args, Path(logs) / "costs.log")
-        servers = {
-            server_name(mode, i, args.servers): Server(
-                args.model,
-                [f.format(draft=args.draft_model) for f in MODES[mode]]
-                + ["--log-level", args.log_level],
-                logs,
-                server_name(mode, i, args.servers),
-                mode,
-            )
-            for i in range(args.servers)
-            for mode in args.modes
-        }
+        servers = {}
         try:
+            for i in range(args.servers):
+                for mode in args.modes:
+                    name = server_name(mode, i, args.servers)
+                    flags = [f.format(draft=args.draft_model) for f in MODES[mode]]
+                    servers[name] = Server(
+                        args.model, flags + ["--log-level", args.log_level], logs, name, mode
+                    )
             if args.prime:
                 for n in progress(args.concurrency, desc="priming"):
                     for server in servers.values():
@@ -295,14 +298,14 @@ def main():
             for server in servers.values():
                 server.stop()
         load = {name: load_parts(server.log, primed) for name, server in servers.items()}
-        for mode, parts in load.items():
+        for name, parts in load.items():
             if parts:
-                print(f"{mode}: next() by part after priming: " + ", ".join(
+                print(f"{name}: next() by part after priming: " + ", ".join(
                     f"{kind} {n} x {1000 * seconds / n:.1f} ms" for kind, (n, seconds) in parts.items()
                 ))
         if args.json and any(load.values()):
             written = json.loads(Path(args.json).read_text())
-            written["load"] = {mode: parts for mode, parts in load.items() if parts}
+            written["load"] = {name: parts for name, parts in load.items() if parts}
             Path(args.json).write_text(json.dumps(written, indent=1))
 
 
@@ -312,12 +315,17 @@ def server_name(mode: str, index: int, count: int) -> str:
 
 def pool_servers(waves: dict, modes, count: int) -> dict:
     """Each mode's waves pooled over its server processes, with each
-    process's own aggregate rate beside them (``server_tps``)."""
+    process's own aggregate rate beside them (``server_tps``) and each
+    stall's process named (``server``)."""
     by_mode = {}
     for mode in modes:
         names = [server_name(mode, i, count) for i in range(count)]
         by_mode[mode] = summarise([w for name in names for w in waves[name]])
-        by_mode[mode]["server_tps"] = [summarise(waves[name])["aggregate_tps"] for name in names]
+        per_server = {name: summarise(waves[name]) for name in names}
+        by_mode[mode]["server_tps"] = [r["aggregate_tps"] for r in per_server.values()]
+        by_mode[mode]["stalls"] = [
+            dict(stall, server=name) for name, r in per_server.items() for stall in r["stalls"]
+        ]
     return by_mode
 
 
@@ -395,7 +403,7 @@ def report(n, by_mode):
         for stall in r["stalls"]:
             ended = time.strftime("%H:%M:%S", time.localtime(stall["ended"]))
             print(
-                f"      {mode}: request {stall['request']} of wave {stall['wave']} waited "
+                f"      {stall['server']}: request {stall['request']} of wave {stall['wave']} waited "
                 f"{stall['seconds']:.1f} s for a chunk, until {ended}",
                 flush=True,
             )

@@ -625,19 +625,22 @@ def test_cost_scheduler_follows_the_measured_costs(tmp_path, verify, expected):
 
 
 class RandomScheduler:
-    """Verifies a random prefix each round."""
+    """Verifies a random prefix each round, and with chance ``measure``
+    first times the round's costs on the live caches (which must change
+    nothing). The prefixes do not depend on ``measure``."""
 
     name = "random"
     needs_confidence = True
 
-    def __init__(self, seed, measure=False):
+    def __init__(self, seed, measure=0.0):
         self.random = random.Random(seed)
+        self.timing = random.Random(seed + 1)
         self.measure = measure
         self.chosen = []
 
     def choose(self, logits, depth, timer):
-        if self.measure and self.random.random() < 0.3:
-            timer()  # timing on the live caches must change nothing
+        if self.timing.random() < self.measure:
+            timer()
         self.chosen.append(self.random.randint(0, len(logits)))
         return self.chosen[-1]
 
@@ -657,7 +660,7 @@ def test_any_schedule_is_lossless(seed, block_size, window, prompt, max_tokens):
         block_size=block_size,
         taps=(0, 1),
     )
-    scheduler = RandomScheduler(seed, measure=True)
+    scheduler = RandomScheduler(seed, measure=0.3)
     ours, stats = speculative(model, drafter, prompt, max_tokens, scheduler=scheduler)
     assert ours == plain_greedy(model, prompt, max_tokens)
     assert stats.scheduler == "random"
@@ -768,7 +771,7 @@ def test_scheduled_sampling_keeps_the_targets_distribution(
     drafter = SCHEDULED[name]() if name in SCHEDULED else tiny_pair[1]
     scheduler = None
     if name == "random":
-        scheduler = RandomScheduler(0, measure=True)
+        scheduler = RandomScheduler(0)
     elif name == "cost":
         scheduler = TableCostScheduler(drafter.calibration.temperatures, *COST_TABLE)
     sampler = mlx_dspark.make_sampler(temp=1.0)
@@ -785,6 +788,28 @@ def test_scheduled_sampling_keeps_the_targets_distribution(
     assert stats.acceptance_rule == "rejection" and len(set(verified)) > 1
     expected = exact_distribution(model, {"temp": 1.0}, {}, 3)
     assert goodness_of_fit(counts, expected) > ALPHA
+
+
+def test_timing_on_the_live_caches_changes_no_sampled_token(tiny_pair):
+    """With the same random seed and the same prefixes verified, a
+    generation sampled at temperature 1 whose every round first times its
+    costs on the live caches emits exactly the tokens of one that never
+    times: the timing neither leaves the caches changed nor draws from the
+    random state."""
+    from test_sampling import PROMPT as SAMPLING_PROMPT
+
+    model, drafter = tiny_pair
+    sampler = mlx_dspark.make_sampler(temp=1.0)
+    runs = []
+    for measure in (0.0, 1.0):
+        mx.random.seed(11)
+        scheduler = RandomScheduler(3, measure)
+        tokens, stats = speculative(
+            model, drafter, SAMPLING_PROMPT, 24, sampler=sampler, scheduler=scheduler
+        )
+        runs.append((tokens, [r.proposed for r in stats.history if r.drafts]))
+    assert runs[0] == runs[1]
+    assert len(set(runs[0][1])) > 1
 
 
 def test_a_drafts_confidence_never_sees_that_draft(tiny_pair):
