@@ -753,6 +753,13 @@ MUTANTS = [
         "        mx.random.uniform()\n        return proposal.tokens, proposal.confidence\n",
         ("tests/test_confidence.py", "-k", "timing_on_the_live"),
     ),
+    Mutant(
+        "a long-lived scheduler keeps its costs in the cache folder of its first use",
+        "mlx_dspark/confidence/schedulers.py",
+        "        key = path or timer.key\n",
+        "        key = timer.key\n",
+        ("tests/test_confidence.py", "-k", "long_lived"),
+    ),
 ]
 
 

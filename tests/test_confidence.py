@@ -707,6 +707,20 @@ def test_a_scheduler_named_per_call_keeps_what_it_learnt(tiny_pair, tmp_path, mo
     assert scheduler_for("cost", drafter) is scheduler
 
 
+def test_a_long_lived_scheduler_keeps_its_costs_where_the_cache_is_now(
+    tiny_pair, tmp_path, monkeypatch
+):
+    """A cost scheduler outlives a generation (it is the drafter's): after
+    ``MLX_DSPARK_CACHE`` changes, it keeps its measured costs in the new
+    folder, not in the one of its first generation."""
+    model, drafter = tiny_pair
+    scheduler = CostScheduler(None)
+    for folder in ("first", "then"):
+        monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / folder))
+        speculative(model, drafter, [65, 211, 266, 241], 40, scheduler=scheduler)
+        assert list((tmp_path / folder / "verify-cost").glob("*.json")), folder
+
+
 class WrongScheduler:
     name = "wrong"
     needs_confidence = True

@@ -116,10 +116,13 @@ class CostScheduler:
         self.recent_acceptance = {}
 
     def profile(self, timer: RoundTimer) -> CostProfile:
-        if timer.key not in self.profiles:
-            path = profile_path(timer.key) if self.cache_profiles else None
-            self.profiles[timer.key] = CostProfile(path)
-        return self.profiles[timer.key]
+        # By file, not by key alone: a scheduler lives as long as its drafter,
+        # and the cache folder (``MLX_DSPARK_CACHE``) may change meanwhile.
+        path = profile_path(timer.key) if self.cache_profiles else None
+        key = path or timer.key
+        if key not in self.profiles:
+            self.profiles[key] = CostProfile(path)
+        return self.profiles[key]
 
     def costs(self, depth: int, timer: RoundTimer, most: Optional[int] = None) -> RoundCosts:
         """The measured costs at ``depth``, every verify padded as
