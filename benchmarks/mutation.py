@@ -754,6 +754,13 @@ MUTANTS = [
         ("tests/test_confidence.py", "-k", "timing_on_the_live"),
     ),
     Mutant(
+        "timing a round on the live caches leaves a verified row behind",
+        "mlx_dspark/confidence/costs.py",
+        "            c.trim(n)\n",
+        "            c.trim(n - 1)\n",
+        ("tests/test_confidence.py", "-k", "timing_on_the_live or any_schedule_is_lossless"),
+    ),
+    Mutant(
         "a long-lived scheduler keeps its costs in the cache folder of its first use",
         "mlx_dspark/confidence/schedulers.py",
         "        key = path or timer.key\n",
