@@ -73,11 +73,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_variant(text: str):
+    """``NAME=MODE:VAR=VALUE,...`` -> ``(NAME, MODE, {VAR: VALUE})``: a mode
+    of its own, served as ``MODE`` with those environment variables."""
+    name, _, rest = text.partition("=")
+    base, _, assignments = rest.partition(":")
+    if not name or base not in MODES or name in MODES:
+        raise ValueError(
+            f"--variant {text!r}: expected NAME=MODE:VAR=VALUE,... with a new NAME "
+            f"and MODE one of {', '.join(MODES)}"
+        )
+    pairs = [a.partition("=") for a in assignments.split(",") if a]
+    if any(not var or not eq for var, eq, _ in pairs):
+        raise ValueError(f"--variant {text!r}: each setting is VAR=VALUE")
+    return name, base, {var: value for var, _, value in pairs}
+
+
 class Server:
-    def __init__(self, model, flags, log_dir, name, mode):
+    def __init__(self, model, flags, log_dir, name, mode_env):
         self.port = free_port()
         self.log = Path(log_dir) / f"{name}.log"
-        env = {**os.environ, **MODE_ENV.get(mode, {})}
+        env = {**os.environ, **mode_env}
         env.pop("MLX_DSPARK_DISABLE", None)
         self.process = subprocess.Popen(
             [
@@ -221,7 +237,12 @@ def main():
     parser.add_argument("--model", default=str(TINY / "target_tiny_gemma4"))
     parser.add_argument("--draft-model", default=str(TINY / "dspark_tiny_gemma4_block4"))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--modes", nargs="+", default=["stock", "batched", "one-at-a-time"], choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=["stock", "batched", "one-at-a-time"])
+    parser.add_argument(
+        "--variant", action="append", default=[], metavar="NAME=MODE:VAR=VALUE,...",
+        help="a mode NAME served as MODE with these environment variables set, "
+        "e.g. batched-no-graphs=batched:MLX_USE_CUDA_GRAPHS=0 (then list NAME in --modes)",
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=24)
     parser.add_argument("--waves", type=int, default=3)
@@ -249,6 +270,18 @@ def main():
     args = parser.parse_args()
     if args.servers < 1:
         parser.error("--servers: at least one server process per mode")
+    bases = {mode: mode for mode in MODES}
+    envs = dict(MODE_ENV)
+    for text in args.variant:
+        try:
+            name, base, env = parse_variant(text)
+        except ValueError as e:
+            parser.error(str(e))
+        bases[name] = base
+        envs[name] = {**MODE_ENV.get(base, {}), **env}
+    unknown = [mode for mode in args.modes if mode not in bases]
+    if unknown:
+        parser.error(f"--modes: no mode {', '.join(unknown)}; modes: {', '.join(bases)}")
     if args.replay_tau:
         os.environ["MLX_DSPARK_REPLAY_TAU"] = str(args.replay_tau)
         os.environ["MLX_DSPARK_REPLAY_BLOCK"] = str(args.replay_block)
@@ -256,7 +289,7 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         logs = args.logs or scratch
         Path(logs).mkdir(parents=True, exist_ok=True)
-        if args.prime and "batched" in args.modes:
+        if args.prime and any(bases[mode] == "batched" for mode in args.modes):
             # Before the servers load, so that one more copy of the target
             # needs no room beside theirs.
             measure_costs(args, Path(logs) / "costs.log")
@@ -265,9 +298,10 @@ def main():
             for i in range(args.servers):
                 for mode in args.modes:
                     name = server_name(mode, i, args.servers)
-                    flags = [f.format(draft=args.draft_model) for f in MODES[mode]]
+                    flags = [f.format(draft=args.draft_model) for f in MODES[bases[mode]]]
                     servers[name] = Server(
-                        args.model, flags + ["--log-level", args.log_level], logs, name, mode
+                        args.model, flags + ["--log-level", args.log_level], logs, name,
+                        envs.get(mode, {}),
                     )
             if args.prime:
                 for n in progress(args.concurrency, desc="priming"):

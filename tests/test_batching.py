@@ -966,6 +966,36 @@ def test_rows_roll_back_independently():
     assert mx.allclose(after[1:2], alone, atol=1e-6)
 
 
+def test_rows_joining_leave_room_for_the_next_rounds_write():
+    """Merged and extended caches hold a round's writes (the anchor and
+    ``max_rollback`` drafts) without growing: a join copies every cache
+    once, not again in the round after it. The rows keep their entries."""
+    rollback = 7
+    singles = []
+    for n in (5, 300):
+        c = KVCache()
+        kv = mx.arange(n, dtype=mx.float32).reshape(1, 1, n, 1) + 1000 * n
+        c.update_and_fetch(kv, kv)
+        singles.append(c)
+    batch = BatchRollbackKVCache.merge(singles, None, rollback)
+    joining = BatchRollbackKVCache.merge(singles[:1], None, rollback)
+    for cache in (batch, joining):
+        capacity = cache.keys.shape[2]
+        write = mx.zeros((len(cache.lengths), 1, rollback + 1, 1))
+        cache.update_and_fetch(write, write)
+        assert cache.keys.shape[2] == capacity
+    batch.extend(joining)
+    capacity = batch.keys.shape[2]
+    write = mx.zeros((3, 1, rollback + 1, 1))
+    batch.update_and_fetch(write, write)
+    assert batch.keys.shape[2] == capacity and capacity % batch.step == 0
+    batch.trim(rollback + 1)
+    for i, c in enumerate(singles + singles[:1]):
+        back = batch.extract(i)
+        assert back.offset == c.offset + rollback + 1
+        assert mx.array_equal(back.keys[..., : c.offset, :], c.keys[..., : c.offset, :])
+
+
 @given(st.integers(2, 6), st.integers(1, 4), st.lists(st.integers(1, 30), min_size=1, max_size=4))
 def test_merge_extract_roundtrip_of_sliding_window_caches(window, rollback, lengths):
     """A sliding-window cache that joins a batch, is compacted, and leaves

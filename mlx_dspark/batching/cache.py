@@ -61,18 +61,31 @@ class BatchRollbackKVCache(_BaseCache):
         if like is None:
             return batch
         width = max(0 if r is None else r[0].shape[2] for r in rows)
-        keys, values, positions = [], [], []
-        for r in rows:
-            k, v, p = r or _no_entries(like)
-            pad = width - k.shape[2]
-            keys.append(_left_pad(k, pad))
-            values.append(_left_pad(v, pad))
-            positions.append(mx.concatenate([mx.full((pad,), -1, mx.int32), p]) if pad else p)
-        batch.keys = mx.concatenate(keys)
-        batch.values = mx.concatenate(values)
-        batch.positions = mx.stack(positions)
-        batch._idx = width
+        parts = [(k, v, p[None]) for k, v, p in (r or _no_entries(like) for r in rows)]
+        batch._assemble(parts, width, like)
         return batch
+
+    def _assemble(self, parts, width: int, like) -> None:
+        """The buffers of ``parts`` (``(keys, values, positions)`` of row
+        groups, one on top of the other), each right-aligned at slot
+        ``width``, with room for one round's writes after it: written into
+        buffers of that capacity, so the next round need not copy them
+        again to grow (``_ensure``)."""
+        k, v, _ = like
+        rows = sum(p[0].shape[0] for p in parts)
+        capacity = _rounded_up(width + self.max_rollback + 1, self.step)
+        self.keys = mx.zeros((rows, k.shape[1], capacity, k.shape[3]), k.dtype)
+        self.values = mx.zeros((rows, v.shape[1], capacity, v.shape[3]), v.dtype)
+        self.positions = mx.full((rows, capacity), -1, mx.int32)
+        row = 0
+        for keys, values, positions in parts:
+            n, first = keys.shape[0], width - keys.shape[2]
+            if first < width:
+                self.keys[row : row + n, :, first:width] = keys
+                self.values[row : row + n, :, first:width] = values
+                self.positions[row : row + n, first:width] = positions
+            row += n
+        self._idx = width
 
     def extract(self, idx: int, end: Optional[int] = None):
         """Row ``idx``'s positions before ``end`` (by default all it holds)
@@ -113,7 +126,7 @@ class BatchRollbackKVCache(_BaseCache):
         # Capacities stay multiples of ``step`` (a merged prompt cache starts
         # at any width), so the buffers' shapes and strides repeat.
         capacity = 0 if self.keys is None else self.keys.shape[2]
-        grow = (need + self.step - 1) // self.step * self.step - capacity
+        grow = _rounded_up(need, self.step) - capacity
         new_k = mx.zeros((B, H, grow, Dk), keys.dtype)
         new_v = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
         new_p = mx.full((B, grow), -1, mx.int32)
@@ -257,11 +270,8 @@ class BatchRollbackKVCache(_BaseCache):
         like = self if self.keys is not None else other
         if like.keys is not None:
             width = max(self._idx, other._idx)
-            parts = [_right_align(c, width, like) for c in (self, other)]
-            self.keys = mx.concatenate([p[0] for p in parts])
-            self.values = mx.concatenate([p[1] for p in parts])
-            self.positions = mx.concatenate([p[2] for p in parts])
-            self._idx = width
+            parts = [_entries(c, like) for c in (self, other)]
+            self._assemble(parts, width, (like.keys, like.values, None))
         self.offset = mx.concatenate([self.offset, other.offset])
         self.lengths = self.lengths + other.lengths
         self.firsts = self.firsts + other.firsts
@@ -283,27 +293,20 @@ class BatchRollbackKVCache(_BaseCache):
         return self.keys, self.values, self.positions, self.offset
 
 
-def _left_pad(x: mx.array, pad: int) -> mx.array:
-    if pad == 0:
-        return x
-    return mx.concatenate([mx.zeros((*x.shape[:2], pad, x.shape[3]), x.dtype), x], axis=2)
+def _rounded_up(n: int, step: int) -> int:
+    return (n + step - 1) // step * step
 
 
-def _right_align(cache: BatchRollbackKVCache, width: int, like: BatchRollbackKVCache):
+def _entries(cache: BatchRollbackKVCache, like: BatchRollbackKVCache):
+    """A batch cache's used slots (none for an empty one) as
+    ``(keys, values, positions)``."""
     if cache.keys is None:
         B = len(cache.lengths)
         k = mx.zeros((B, like.keys.shape[1], 0, like.keys.shape[3]), like.keys.dtype)
         v = mx.zeros((B, like.values.shape[1], 0, like.values.shape[3]), like.values.dtype)
-        p = mx.zeros((B, 0), mx.int32)
-    else:
-        k = cache.keys[:, :, : cache._idx]
-        v = cache.values[:, :, : cache._idx]
-        p = cache.positions[:, : cache._idx]
-    pad = width - p.shape[1]
-    if pad:
-        k, v = _left_pad(k, pad), _left_pad(v, pad)
-        p = mx.concatenate([mx.full((p.shape[0], pad), -1, mx.int32), p], axis=1)
-    return k, v, p
+        return k, v, mx.zeros((B, 0), mx.int32)
+    i = cache._idx
+    return cache.keys[:, :, :i], cache.values[:, :, :i], cache.positions[:, :i]
 
 
 def _no_entries(like):
