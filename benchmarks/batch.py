@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -107,10 +108,26 @@ def main():
         "Python call (cProfile's hook is in C and cheaper): whether a slower host "
         "changes the rates (on an H200, the batch generators ran faster under cProfile)",
     )
+    parser.add_argument(
+        "--busy-cores", type=int, default=0,
+        help="keep this many other processes spinning on the host's cores while it runs: "
+        "whether the rates depend on how idle the host is (its cores' sleep states)",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.python_hook:
         sys.setprofile(lambda frame, event, arg: None)
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_cores)
+    ]
+    try:
+        measure(args, parser)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+
+
+def measure(args, parser):
     if args.single and 1 not in args.batch:
         parser.error("--single runs at batch size 1: include 1 in --batch")
 
