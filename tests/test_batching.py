@@ -447,6 +447,10 @@ def test_the_servers_generator_logs_its_slow_calls_and_where_its_time_went(monke
             _, responses = generator.next()
             kinds.append([kind for kind, _, _ in generator.phases])
             finished += [r.uid for r in responses if r.finish_reason]
+            # A round's time, split into building, waiting and reading.
+            split, rounds = generator.round_split, generator.phases[0][2]
+            assert (split is None) == (kinds[-1][0] in ("prefill", "first steps"))
+            assert split is None or (min(split) >= 0 and sum(split) <= rounds)
     joined, handing_back = ["rounds after rows joined or left"], ["rounds handing caches back"]
     assert kinds[:4] == [["prefill"], ["first steps"], joined, ["rounds"]]
     first_done = next(i for i, k in enumerate(kinds) if k == handing_back)
@@ -463,6 +467,8 @@ def test_the_servers_generator_logs_its_slow_calls_and_where_its_time_went(monke
     assert "% in next() (prefill " in load[0] and "(1 x " in load[0]
     assert "% in next() (rounds after rows joined or left " in load[2]
     assert "% in next() (rounds " in load[3]
+    assert "; a round: building " in load[3] and "(mean of 1)" in load[3]
+    assert "a round:" not in load[0]  # prefill only
     assert "% in next() (rounds handing caches back " in load[first_done]
 
 

@@ -288,6 +288,9 @@ class SpeculativeBatchGenerator:
         # round did besides drafting and verifying (``_round_kind``).
         self.phases = []
         self.round_kind = TIMED
+        # The last round read: (seconds the host spent building and launching
+        # rounds, waiting for the device, reading the round), or None.
+        self.round_split = None
         # Every sequence's rounds, recent ones weighing more: a joining
         # sequence's first guess of its acceptance.
         self._recent = Acceptance(drafter.max_draft_tokens)
@@ -457,6 +460,7 @@ class SpeculativeBatchGenerator:
     def _next(self):
         start, measuring, phases = time.perf_counter(), self._measuring, []
         generation_responses = []
+        self.round_split = None
         if len(self._generation):
             tic = time.perf_counter()
             batch = len(self._generation)
@@ -800,8 +804,10 @@ class SpeculativeBatchGenerator:
         ahead = None
         if self._can_overlap():
             ahead = self._launch(self._in_flight.anchors)
+        built = time.perf_counter()
         responses = self._collect(self._in_flight, reuse=ahead is None)
         read = time.perf_counter()
+        self.round_split = (built - tic, self._waited, read - built - self._waited)
         # Handing finished rows' caches back is no round's cost either.
         self.round_kind = _round_kind(self._in_flight, any(r.finish_reason for r in responses))
         if self.round_kind == TIMED and ahead is not None:
@@ -962,7 +968,9 @@ class SpeculativeBatchGenerator:
         """The responses of a launched round, once the device has it: each
         sequence emits its accepted drafts and the target's next token, up
         to a stop or its budget."""
+        tic = time.perf_counter()
         mx.eval(launched.outputs())
+        self._waited = time.perf_counter() - tic
         k = launched.k
         accepted = launched.accepted.tolist()
         tokens = launched.tokens.tolist()

@@ -30,7 +30,9 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
     calls (detokenizing, streaming, prompt caching), with how many of each
     part and how long each took on average. Rounds are told apart by what
     else they paid for (handing finished requests' caches back, copying
-    the caches for rows joined or left; ``generator._round_kind``)."""
+    the caches for rows joined or left; ``generator._round_kind``). Every
+    round's time is also split three ways: the host building and launching
+    it, waiting for the device, and reading its tokens (``round_split``)."""
 
     LOAD_LOG_SECONDS = 10.0
     PIPELINE = False
@@ -45,7 +47,7 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
     def _fresh_load(since):
         return {
             "since": since, "inside": 0.0, "between": 0.0, "calls": 0, "tokens": 0,
-            "parts": {}, "counts": {},
+            "parts": {}, "counts": {}, "split": [0.0, 0.0, 0.0], "rounds": 0,
         }
 
     def next(self):
@@ -60,6 +62,9 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
         for kind, _, seconds in self.phases:
             load["parts"][kind] = load["parts"].get(kind, 0.0) + seconds
             load["counts"][kind] = load["counts"].get(kind, 0) + 1
+        if self.round_split is not None:
+            load["split"] = [a + b for a, b in zip(load["split"], self.round_split)]
+            load["rounds"] += 1
         load["since"] = load["since"] or start
         window = end - load["since"]
         if window >= self.LOAD_LOG_SECONDS:
@@ -68,11 +73,18 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
                 f"{kind} {share(t):.0f}% ({load['counts'][kind]} x {1000 * t / load['counts'][kind]:.0f} ms)"
                 for kind, t in load["parts"].items()
             )
+            split = ""
+            if load["rounds"]:
+                build, wait, read = (1000 * t / load["rounds"] for t in load["split"])
+                split = (
+                    f"; a round: building {build:.1f} ms, waiting for the device {wait:.1f} ms, "
+                    f"reading {read:.1f} ms (mean of {load['rounds']})"
+                )
             logging.debug(
                 "Batch generator, last %.1f s: %d calls, %d tokens; %.0f%% in next() (%s), "
-                "%.0f%% in the server between calls",
+                "%.0f%% in the server between calls%s",
                 window, load["calls"], load["tokens"], share(load["inside"]), parts,
-                share(load["between"]),
+                share(load["between"]), split,
             )
             self._load = self._fresh_load(end)
         return prompt_responses, generation_responses
