@@ -452,6 +452,13 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "overhead_is_added"),
     ),
     Mutant(
+        "rows joining leave no room for the next round's write (a second copy)",
+        "mlx_dspark/batching/cache.py",
+        "capacity = _rounded_up(width + self.max_rollback + 1, self.step)",
+        "capacity = width",
+        ("tests/test_batching.py", "-k", "leave_room"),
+    ),
+    Mutant(
         "batch cache cursor reuses slots a row still holds",
         "mlx_dspark/batching/cache.py",
         "self._idx -= min(counts)",
