@@ -459,6 +459,13 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "leave_room"),
     ),
     Mutant(
+        "batch buffers grow to exactly what a write needs, not to the step",
+        "mlx_dspark/batching/cache.py",
+        "grow = _rounded_up(need, self.step) - capacity",
+        "grow = need - capacity",
+        ("tests/test_cache.py", "-k", "multiples_of_the_step"),
+    ),
+    Mutant(
         "batch cache cursor reuses slots a row still holds",
         "mlx_dspark/batching/cache.py",
         "self._idx -= min(counts)",

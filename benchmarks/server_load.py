@@ -289,10 +289,17 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         logs = args.logs or scratch
         Path(logs).mkdir(parents=True, exist_ok=True)
-        if args.prime and any(bases[mode] == "batched" for mode in args.modes):
+        if args.prime:
             # Before the servers load, so that one more copy of the target
-            # needs no room beside theirs.
-            measure_costs(args, Path(logs) / "costs.log")
+            # needs no room beside theirs; once per environment of a batched
+            # mode (MLX's launch settings are part of the costs' key).
+            environments = {
+                json.dumps(envs.get(mode, {}), sort_keys=True)
+                for mode in args.modes if bases[mode] == "batched"
+            }
+            for env in map(json.loads, sorted(environments)):
+                suffix = "".join(f"-{k}-{v}" for k, v in sorted(env.items()))
+                measure_costs(args, Path(logs) / f"costs{suffix}.log", env)
         servers = {}
         try:
             for i in range(args.servers):
@@ -363,12 +370,13 @@ def pool_servers(waves: dict, modes, count: int) -> dict:
     return by_mode
 
 
-def measure_costs(args, log: Path) -> None:
+def measure_costs(args, log: Path, env: dict) -> None:
     """The round costs the batched servers' ``cost`` policy reads, measured
-    ahead (``mlx_dspark costs``) for every batch size of two's powers up to
-    the largest N and the requests' whole context, as a server that has
-    served before has them (it otherwise measures them over its first
-    rounds at each size, in the measured waves)."""
+    ahead (``mlx_dspark costs``, under the servers' environment ``env``) for
+    every batch size of two's powers up to the largest N and the requests'
+    whole context, as a server that has served before has them (it
+    otherwise measures them over its first rounds at each size, in the
+    measured waves)."""
     largest = max(args.concurrency)
     batches = [1 << i for i in range(largest.bit_length()) if 1 << i <= largest]
     # Chat-template tokens come on top of the prompt's words.
@@ -379,7 +387,7 @@ def measure_costs(args, log: Path) -> None:
             "--model", str(args.model), "--draft-model", str(args.draft_model),
             "--batch", *map(str, batches), "--context", str(context),
         ],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, check=True,
+        stdout=log.open("w"), stderr=subprocess.STDOUT, check=True, env={**os.environ, **env},
     )
 
 

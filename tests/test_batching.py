@@ -978,10 +978,11 @@ def test_rows_joining_leave_room_for_the_next_rounds_write():
     once, not again in the round after it. The rows keep their entries."""
     rollback = 7
     singles = []
-    for n in (5, 300):
+    # 250 rounded up to the step (256) leaves no room for a round of 8.
+    for n in (5, 250):
         c = KVCache()
         kv = mx.arange(n, dtype=mx.float32).reshape(1, 1, n, 1) + 1000 * n
-        c.update_and_fetch(kv, kv)
+        c.update_and_fetch(kv, -kv)
         singles.append(c)
     batch = BatchRollbackKVCache.merge(singles, None, rollback)
     joining = BatchRollbackKVCache.merge(singles[:1], None, rollback)
@@ -1000,6 +1001,9 @@ def test_rows_joining_leave_room_for_the_next_rounds_write():
         back = batch.extract(i)
         assert back.offset == c.offset + rollback + 1
         assert mx.array_equal(back.keys[..., : c.offset, :], c.keys[..., : c.offset, :])
+        assert mx.array_equal(back.values[..., : c.offset, :], c.values[..., : c.offset, :])
+        live = batch.positions[i, : batch.size()]
+        assert (live >= 0).sum().item() == back.offset  # every entry, and no other slot
 
 
 @given(st.integers(2, 6), st.integers(1, 4), st.lists(st.integers(1, 30), min_size=1, max_size=4))

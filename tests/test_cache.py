@@ -189,14 +189,18 @@ def test_a_rings_live_entries_are_slices_in_position_order(written):
     assert k.reshape(-1).tolist() == v.reshape(-1).tolist() == expected
 
 
-def test_batch_buffers_grow_to_multiples_of_the_step():
-    """A batch merged from prompt caches starts at any width; its buffers
-    still grow to multiples of ``step``, so their shapes repeat round after
-    round."""
+def test_batch_buffers_grow_to_multiples_of_the_step(monkeypatch):
+    """A batch merged from prompt caches of any width, and the writes after
+    it, keep its buffers at multiples of ``step``, so their shapes repeat
+    round after round."""
+    monkeypatch.setattr(BatchRollbackKVCache, "step", 8)
     single = KVCache()
     single.update_and_fetch(mx.zeros((1, 1, 5, 2)), mx.zeros((1, 1, 5, 2)))
     batch = BatchRollbackKVCache.merge([single], None, 4)
-    batch.step = 8
-    for n in (3, 1, 9):
+    widths = [batch.keys.shape[2]]
+    for n in (3, 1, 9, 9):
         batch.update_and_fetch(mx.zeros((1, 1, n, 2)), mx.zeros((1, 1, n, 2)))
-        assert batch.keys.shape[2] % 8 == 0 and batch.positions.shape[1] % 8 == 0
+        assert batch.keys.shape[2] >= batch.size()
+        widths.append(batch.keys.shape[2])
+        assert batch.positions.shape[1] == widths[-1]
+    assert widths == [16, 16, 16, 24, 32]  # grown twice, to the next multiple each time

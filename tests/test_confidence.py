@@ -547,6 +547,29 @@ def test_profiles_measured_another_way_are_measured_again(tiny_pair, monkeypatch
     assert key() != now
 
 
+def test_profiles_measured_under_other_launch_settings_are_measured_again(
+    tiny_pair, monkeypatch
+):
+    """MLX's settings of how kernels are launched (CUDA graphs on or off)
+    change what a round costs: a profile measured under one is not read
+    under another, and unrelated variables leave the key alone."""
+    from mlx_dspark.confidence import costs as costs_module
+
+    model, drafter = tiny_pair
+
+    def key():
+        return costs_module.RoundTimer(model, drafter, 4, None, None).key
+
+    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
+    default = key()
+    monkeypatch.setenv("SOMETHING_ELSE", "1")
+    assert key() == default
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "0")
+    off = key()
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "1")
+    assert len({default, off, key()}) == 3
+
+
 def timed_parts(seconds, extra):
     """Parts that take ``seconds[i]`` on a fake clock, plus ``extra(calls)``
     where ``calls`` is every part's name run so far."""

@@ -123,8 +123,8 @@ class BatchRollbackKVCache(_BaseCache):
         if self.keys is not None and need <= self.keys.shape[2]:
             return
         B, H, _, Dk = keys.shape
-        # Capacities stay multiples of ``step`` (a merged prompt cache starts
-        # at any width), so the buffers' shapes and strides repeat.
+        # Capacities stay multiples of ``step`` (a compacted cache starts at
+        # any width), so the buffers' shapes and strides repeat.
         capacity = 0 if self.keys is None else self.keys.shape[2]
         grow = _rounded_up(need, self.step) - capacity
         new_k = mx.zeros((B, H, grow, Dk), keys.dtype)
