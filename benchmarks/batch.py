@@ -117,9 +117,9 @@ def main():
     args = parser.parse_args()
     if args.python_hook:
         sys.setprofile(lambda frame, event, arg: None)
-    spinners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_cores)
-    ]
+    # Each spinner also stops once this process is gone (killed by a timeout).
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(args.busy_cores)]
     try:
         measure(args, parser)
     finally:

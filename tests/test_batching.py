@@ -472,6 +472,34 @@ def test_the_servers_generator_logs_its_slow_calls_and_where_its_time_went(monke
     assert "% in next() (rounds handing caches back " in load[first_done]
 
 
+def test_a_rounds_split_is_its_building_its_wait_and_its_reading(monkeypatch):
+    """``round_split`` of every round read: the host building and launching
+    it, waiting for the device in the read, and the rest of the read; on a
+    fake clock that only building (5 s) and the read's wait (2 s) move."""
+    now = [0.0]
+    monkeypatch.setattr(generator_module, "time", type("Clock", (), {"perf_counter": lambda: now[0]}))
+    launch, evaluate = SpeculativeBatchGenerator._launch, mx.eval
+
+    def building(self, anchors):
+        now[0] += 5.0
+        return launch(self, anchors)
+
+    def waiting(*args):
+        now[0] += 2.0
+        return evaluate(*args)
+
+    monkeypatch.setattr(SpeculativeBatchGenerator, "_launch", building)
+    monkeypatch.setattr(mx, "eval", waiting)
+    model, drafter = trained("gemma4")
+    generator = SpeculativeBatchGenerator(model, drafter, policy=FixedPolicy(), pipeline=False)
+    generator.insert([[5, 6, 7, 8, 9], [10, 20, 30]], max_tokens=[8, 12])
+    splits = []
+    while generator.next_generated():
+        splits.append(generator.round_split)
+    assert splits[0] is None  # the first tokens come from the prompts' first step
+    assert len(splits) > 2 and all(split == (5.0, 2.0, 0.0) for split in splits[1:])
+
+
 def test_the_servers_load_log_counts_the_servers_work_not_its_idle_time(monkeypatch):
     """The load log's split: time inside ``next()`` by part, and time
     between calls, except gaps of a second or more (the server idle)."""

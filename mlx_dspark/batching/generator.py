@@ -289,7 +289,9 @@ class SpeculativeBatchGenerator:
         self.phases = []
         self.round_kind = TIMED
         # The last round read: (seconds the host spent building and launching
-        # rounds, waiting for the device, reading the round), or None.
+        # rounds in that call, the next one too where pipelined, costs
+        # measured aside; waiting for the device in the read; the rest of the
+        # read), or None.
         self.round_split = None
         # Every sequence's rounds, recent ones weighing more: a joining
         # sequence's first guess of its acceptance.
@@ -804,10 +806,10 @@ class SpeculativeBatchGenerator:
         ahead = None
         if self._can_overlap():
             ahead = self._launch(self._in_flight.anchors)
-        built = time.perf_counter()
+        built, measured = time.perf_counter(), self._measuring - measuring
         responses = self._collect(self._in_flight, reuse=ahead is None)
         read = time.perf_counter()
-        self.round_split = (built - tic, self._waited, read - built - self._waited)
+        self.round_split = (built - tic - measured, self._waited, read - built - self._waited)
         # Handing finished rows' caches back is no round's cost either.
         self.round_kind = _round_kind(self._in_flight, any(r.finish_reason for r in responses))
         if self.round_kind == TIMED and ahead is not None:

@@ -31,8 +31,10 @@ class ServerBatchGenerator(SpeculativeBatchGenerator):
     part and how long each took on average. Rounds are told apart by what
     else they paid for (handing finished requests' caches back, copying
     the caches for rows joined or left; ``generator._round_kind``). Every
-    round's time is also split three ways: the host building and launching
-    it, waiting for the device, and reading its tokens (``round_split``)."""
+    round's time is also split three ways (``round_split``): the host
+    building and launching it (with MLX's own waits for the device inside
+    the launch), waiting for the device in the read, and reading its
+    tokens."""
 
     LOAD_LOG_SECONDS = 10.0
     PIPELINE = False
