@@ -459,6 +459,13 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "leave_room"),
     ),
     Mutant(
+        "packed caches leave no room for the next round's write (a second copy)",
+        "mlx_dspark/batching/cache.py",
+        "room = _rounded_up(width + self.max_rollback + 1, self.step) - width",
+        "room = 0",
+        ("tests/test_batching.py", "-k", "leave_room"),
+    ),
+    Mutant(
         "batch buffers grow to exactly what a write needs, not to the step",
         "mlx_dspark/batching/cache.py",
         "grow = _rounded_up(need, self.step) - capacity",

@@ -1000,10 +1000,11 @@ def test_rows_roll_back_independently():
     assert mx.allclose(after[1:2], alone, atol=1e-6)
 
 
-def test_rows_joining_leave_room_for_the_next_rounds_write():
+def test_rows_joining_or_packed_leave_room_for_the_next_rounds_write():
     """Merged and extended caches hold a round's writes (the anchor and
-    ``max_rollback`` drafts) without growing: a join copies every cache
-    once, not again in the round after it. The rows keep their entries."""
+    ``max_rollback`` drafts) without growing, and so do packed ones: a join
+    or a packing copies every cache once, not again in the round after it.
+    The rows keep their entries."""
     rollback = 7
     singles = []
     # 250 rounded up to the step (256) leaves no room for a round of 8.
@@ -1024,10 +1025,18 @@ def test_rows_joining_leave_room_for_the_next_rounds_write():
     write = mx.zeros((3, 1, rollback + 1, 1))
     batch.update_and_fetch(write, write)
     assert batch.keys.shape[2] == capacity and capacity % batch.step == 0
+    # Packing leaves room too: the longest row rolls back a whole round
+    # (its slots become holes), the others keep 6 of its 8 writes.
+    batch.trim_rows([2, rollback + 1, 2])
+    assert batch.reclaimable() > 0
+    batch.compact()
+    capacity = batch.keys.shape[2]
+    batch.update_and_fetch(write, write)
+    assert batch.keys.shape[2] == capacity and capacity % batch.step == 0
     batch.trim(rollback + 1)
     for i, c in enumerate(singles + singles[:1]):
         back = batch.extract(i)
-        assert back.offset == c.offset + rollback + 1
+        assert back.offset == c.offset + rollback + 1 + (0 if i == 1 else rollback - 1)
         assert mx.array_equal(back.keys[..., : c.offset, :], c.keys[..., : c.offset, :])
         assert mx.array_equal(back.values[..., : c.offset, :], c.values[..., : c.offset, :])
         live = batch.positions[i, : batch.size()]

@@ -236,13 +236,17 @@ class BatchRollbackKVCache(_BaseCache):
         width = self._span()
         live = self.positions[:, : self._idx]
         keep = live >= mx.array(self.firsts, mx.int32)[:, None]
-        # A stable order with the kept slots last, in their order.
+        # A stable order with the kept slots last, in their order; then room
+        # for a round's write (copies of slot 0, free by their positions), so
+        # that the next round need not grow the packed buffers again.
         rank = keep.astype(mx.int32) * self._idx + mx.arange(self._idx)
         order = mx.argsort(rank, axis=1)[:, self._idx - width :]
+        room = _rounded_up(width + self.max_rollback + 1, self.step) - width
+        order = mx.concatenate([order, mx.zeros((order.shape[0], room), order.dtype)], axis=1)
         self.keys = mx.take_along_axis(self.keys, order[:, None, :, None], axis=2)
         self.values = mx.take_along_axis(self.values, order[:, None, :, None], axis=2)
         positions = mx.take_along_axis(live, order, axis=1)
-        kept = mx.take_along_axis(keep, order, axis=1)
+        kept = mx.take_along_axis(keep, order, axis=1) & (mx.arange(width + room) < width)
         self.positions = mx.where(kept, positions, -1)
         self._idx = width
 
