@@ -96,7 +96,7 @@ def main():
                         spec_tps, _ = throughput(speculative)
                         runs.append((plain_tps, spec_tps))
                     phase_ms = phases(
-                        model, drafter, prompt, args.max_tokens, drafter.block_size
+                        model, drafter, prompt, args.max_tokens, drafter.block_size, scheduler
                     )
                 ratios = sorted(s / p for p, s in runs)
                 # How much plain decoding moves between consecutive pairs:

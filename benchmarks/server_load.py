@@ -89,6 +89,24 @@ def parse_variant(text: str):
     return name, base, {var: value for var, _, value in pairs}
 
 
+def mode_table(modes, variants):
+    """``({mode: MODE served as}, {mode: environment})`` for ``--modes``
+    with the ``--variant`` texts: every mode named is known, and every
+    variant is among the modes named (else it would be left out silently)."""
+    bases = {mode: mode for mode in MODES}
+    envs = dict(MODE_ENV)
+    for text in variants:
+        name, base, env = parse_variant(text)
+        if name not in modes:
+            raise ValueError(f"--variant {text!r}: list {name} in --modes to serve it")
+        bases[name] = base
+        envs[name] = {**MODE_ENV.get(base, {}), **env}
+    unknown = [mode for mode in modes if mode not in bases]
+    if unknown:
+        raise ValueError(f"--modes: no mode {', '.join(unknown)}; modes: {', '.join(bases)}")
+    return bases, envs
+
+
 class Server:
     def __init__(self, model, flags, log_dir, name, mode_env):
         self.port = free_port()
@@ -270,18 +288,10 @@ def main():
     args = parser.parse_args()
     if args.servers < 1:
         parser.error("--servers: at least one server process per mode")
-    bases = {mode: mode for mode in MODES}
-    envs = dict(MODE_ENV)
-    for text in args.variant:
-        try:
-            name, base, env = parse_variant(text)
-        except ValueError as e:
-            parser.error(str(e))
-        bases[name] = base
-        envs[name] = {**MODE_ENV.get(base, {}), **env}
-    unknown = [mode for mode in args.modes if mode not in bases]
-    if unknown:
-        parser.error(f"--modes: no mode {', '.join(unknown)}; modes: {', '.join(bases)}")
+    try:
+        bases, envs = mode_table(args.modes, args.variant)
+    except ValueError as e:
+        parser.error(str(e))
     if args.replay_tau:
         os.environ["MLX_DSPARK_REPLAY_TAU"] = str(args.replay_tau)
         os.environ["MLX_DSPARK_REPLAY_BLOCK"] = str(args.replay_block)

@@ -21,6 +21,7 @@ verify forward and one draft would reach.
 import argparse
 import contextlib
 import json
+import math
 import platform
 import random
 import statistics
@@ -34,6 +35,7 @@ from mlx_lm.generate import generate_step
 import mlx_dspark
 from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.doctor import conditional_for_tau
+from mlx_dspark.drafters.base import Proposal
 from mlx_dspark.progress import progress
 from mlx_dspark.speculative import decoding, engine
 from mlx_dspark.speculative.engine import adapt_target
@@ -56,8 +58,16 @@ def replayed_acceptance(tau: float, block_size: int, seed: int = 0):
     same request at the same point accepts the same in every server and
     process, so policies and servers compared in one run see the same
     acceptance, not each its own luck (at one 96-token request a wave, a
-    request's tau ranged 2.2-3.9)."""
+    request's tau ranged 2.2-3.9).
+
+    A drafter's confidences are replayed too: every draft's is the logit of
+    the profile's rate ``c``, so a schedule that reads them (the ``cost``
+    scheduler) sees confidences calibrated to the acceptance replayed that
+    tell no round from another, not those of random weights, which have
+    nothing to do with it."""
     conditional = conditional_for_tau(tau, block_size)
+    rate = min(max(conditional, 1e-6), 1 - 1e-6)
+    confident = math.log(rate / (1 - rate))
     draw = random.Random(seed)
     compare = decoding.greedy_accept
     judge = SpeculativeBatchGenerator._judge
@@ -87,13 +97,22 @@ def replayed_acceptance(tau: float, block_size: int, seed: int = 0):
         replay = mx.array([d or 0 for d in drawn], accepted.dtype)
         return log_probs, mx.where(keep, accepted, replay), tokens
 
+    def replayed_confidence(proposal, *args, **kwargs):
+        propose(proposal, *args, **kwargs)
+        if proposal.confidence is not None:
+            # Still computed, as the drafter's own are.
+            proposal.confidence = 0 * proposal.confidence + confident
+
+    propose = Proposal.__init__
     decoding.greedy_accept = replayed
     SpeculativeBatchGenerator._judge = keyed
+    Proposal.__init__ = replayed_confidence
     try:
         yield
     finally:
         decoding.greedy_accept = compare
         SpeculativeBatchGenerator._judge = judge
+        Proposal.__init__ = propose
 
 
 def components(model, drafter, prompt, num_drafts):

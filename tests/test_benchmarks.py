@@ -1,0 +1,112 @@
+"""What the benchmarks under ``benchmarks/`` read and replay: a report is only
+as right as its parsing of the server's logs and its replayed acceptance."""
+
+import datetime
+import importlib
+import logging
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlx_dspark.batching.policy import FixedPolicy
+from mlx_dspark.doctor import conditional_for_tau
+from mlx_dspark.integration.batch import ServerBatchGenerator
+from mlx_dspark.speculative.engine import adapt_target
+
+from test_lossless import trained
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """Imports a benchmark script as its own folder's scripts import each other."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module
+
+
+def test_a_variant_is_a_mode_served_with_its_own_environment(bench):
+    server_load = bench("server_load")
+    bases, envs = server_load.mode_table(
+        ["stock", "quick"], ["quick=batched-fixed-pipelined:MLX_USE_CUDA_GRAPHS=0,A=b=c"]
+    )
+    assert bases["quick"] == "batched-fixed-pipelined"
+    assert envs["quick"] == {
+        "MLX_DSPARK_SERVER_PIPELINE": "1", "MLX_USE_CUDA_GRAPHS": "0", "A": "b=c",
+    }
+    refused = {
+        "no name": "=batched:A=1",
+        "an unknown mode": "x=fast:A=1",
+        "a mode's own name": "stock=batched:A=1",
+        "a setting without a value": "x=batched:A",
+    }
+    for why, text in refused.items():
+        with pytest.raises(ValueError, match="--variant"):
+            server_load.mode_table(["x", "stock"], [text])
+    with pytest.raises(ValueError, match="list x in --modes"):
+        server_load.mode_table(["stock"], ["x=batched:A=1"])
+    with pytest.raises(ValueError, match="no mode fast"):
+        server_load.mode_table(["stock", "fast"], [])
+
+
+def test_the_load_benchmark_reads_the_servers_load_lines(bench, monkeypatch, tmp_path, caplog):
+    """``server_load.load_parts`` over a log that ``ServerBatchGenerator``
+    wrote in ``mlx_lm.server``'s format counts every part of every call and
+    every round's split, with their times to the log's rounding."""
+    monkeypatch.setattr(ServerBatchGenerator, "LOAD_LOG_SECONDS", 0.0)  # a line each call
+    log = tmp_path / "server.log"
+    handler = logging.FileHandler(log)
+    handler.setFormatter(logging.Formatter("%(asctime)s - %(levelname)s - %(message)s"))
+    root = logging.getLogger()
+    caplog.set_level(logging.DEBUG)
+    root.addHandler(handler)
+    model, drafter = trained("gemma4")
+    generator = ServerBatchGenerator(model, drafter, policy=FixedPolicy())
+    generator.insert([[5, 6, 7, 8, 9], [10, 20, 30]], max_tokens=[8, 12])
+    counts, seconds, split, rounds = {}, {}, [0.0, 0.0, 0.0], 0
+    try:
+        while any(generator.next()):  # as the server calls it
+            for kind, _, spent in generator.phases:
+                counts[kind] = counts.get(kind, 0) + 1
+                seconds[kind] = seconds.get(kind, 0.0) + spent
+            if generator.round_split is not None:
+                split = [a + b for a, b in zip(split, generator.round_split)]
+                rounds += 1
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+
+    parts = bench("server_load").load_parts(log, datetime.datetime.min)
+    split_parts = dict(zip(("a round: building", "waiting", "reading"), split))
+    assert rounds > 2 and set(parts) == set(counts) | set(split_parts)
+    for kind, (count, spent) in parts.items():
+        if kind in split_parts:  # means to 0.1 ms, a line each round
+            assert count == rounds
+            assert spent == pytest.approx(split_parts[kind], abs=5e-5 * rounds + 1e-9)
+        else:  # means to whole ms, a line each call
+            assert count == counts[kind]
+            assert spent == pytest.approx(seconds[kind], abs=5e-4 * count + 1e-9)
+
+
+def test_replayed_rounds_replay_the_drafters_confidences_too(bench):
+    """Under replayed acceptance every draft's confidence is the logit of the
+    profile's rate, so a cost schedule reads confidences that match the
+    acceptance replayed; outside it, the drafter's own come back."""
+    speculative = bench("speculative")
+    model, drafter = trained("gemma4")
+    target = adapt_target(model, drafter)
+    draft_cache = drafter.make_cache()
+    drafter.commit(draft_cache, target(mx.array([[5, 6, 7]]), target.make_cache(5), drafter.taps).hidden)
+    rate = conditional_for_tau(3.3, drafter.block_size)
+
+    def confidences():
+        anchor = mx.array(8, mx.uint32)
+        return drafter.propose(draft_cache, anchor, drafter.block_size).confidence.tolist()
+
+    own = confidences()
+    with speculative.replayed_acceptance(3.3, drafter.block_size):
+        replayed = confidences()
+    assert replayed == pytest.approx([math.log(rate / (1 - rate))] * drafter.block_size, abs=1e-5)
+    assert own != pytest.approx(replayed, abs=1e-3) and confidences() == pytest.approx(own)
