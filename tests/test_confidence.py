@@ -570,6 +570,42 @@ def test_profiles_measured_under_other_launch_settings_are_measured_again(
     assert len({default, off, key()}) == 3
 
 
+def test_speculation_on_mlx_cuda_turns_cuda_graphs_off_for_unquantized_targets(
+    monkeypatch, capsys
+):
+    """``mlx_lm.generate`` or ``mlx_lm.server`` with a hidden-state drafter
+    (their preflight, before mlx-lm loads anything onto the device) sets
+    ``MLX_USE_CUDA_GRAPHS=0`` on MLX-CUDA for an unquantized target, and says
+    so; never over the user's own setting, for a quantized target or off
+    CUDA."""
+    import mlx.nn as nn
+
+    from mlx_dspark.confidence.costs import launch_settings_for_speculation
+    from mlx_dspark.integration import cli
+
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "")  # restored after the test
+    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS")
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "preloaded", {})
+    drafter = mlx_dspark.load_drafter(DSPARK, lazy=True)
+    cli.preflight(str(TARGET), str(DSPARK), drafter)
+    assert os.environ["MLX_USE_CUDA_GRAPHS"] == "0"
+    assert "MLX_USE_CUDA_GRAPHS=0" in capsys.readouterr().err
+
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "1")
+    cli.preflight(str(TARGET), str(DSPARK), drafter)
+    assert os.environ["MLX_USE_CUDA_GRAPHS"] == "1" and not capsys.readouterr().err
+
+    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS")
+    model, _ = load(str(TARGET), lazy=True)
+    quantized, _ = load(str(TARGET), lazy=True)
+    nn.quantize(quantized, 32, 4, class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0)
+    assert launch_settings_for_speculation(quantized) == {}
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    assert launch_settings_for_speculation(model) == {}
+    assert "MLX_USE_CUDA_GRAPHS" not in os.environ
+
+
 def timed_parts(seconds, extra):
     """Parts that take ``seconds[i]`` on a fake clock, plus ``extra(calls)``
     where ``calls`` is every part's name run so far."""

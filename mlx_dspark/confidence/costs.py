@@ -43,6 +43,13 @@ LAUNCH_SETTINGS = (
     "MLX_MAX_MB_PER_BUFFER",
 )
 
+# MLX-CUDA's CUDA graphs against speculative rounds of an unquantized target
+# (H200, 12B shapes, bf16, BENCHMARKS.md "Session 18" and "Session 19"): the
+# batched server at 1.42-2.95x of stock without them against 1.31-2.01x with
+# them, a single stream at 2.18x against 1.75x. A 4-bit target's runs went
+# both ways, so it keeps them.
+NO_CUDA_GRAPHS = {"MLX_USE_CUDA_GRAPHS": "0"}
+
 # A verify pads to more rows only where they cost at least this much less,
 # and so do the rows one past them. Where a device switches kernels by row
 # count (4-bit 12B on an H200: 7 rows 56 ms, 8 rows 29 ms, 9 and more
@@ -118,6 +125,19 @@ def model_fingerprint(model: nn.Module) -> dict:
         "quantization": sorted(quantized),
         "dtypes": sorted(str(d) for d in dtypes),
     }
+
+
+def launch_settings_for_speculation(model: nn.Module) -> dict:
+    """The launch settings set for a process that decodes ``model`` with a
+    drafter: ``NO_CUDA_GRAPHS`` on MLX-CUDA for an unquantized target, unless
+    the user set ``MLX_USE_CUDA_GRAPHS`` (``{}`` where nothing is set). MLX
+    reads it once, at its first use of the device: call this before."""
+    if any(name in os.environ for name in NO_CUDA_GRAPHS):
+        return {}
+    if model_fingerprint(model)["quantization"] or not mx.cuda.is_available():
+        return {}
+    os.environ.update(NO_CUDA_GRAPHS)
+    return dict(NO_CUDA_GRAPHS)
 
 
 def device_identity() -> dict:

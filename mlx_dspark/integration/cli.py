@@ -12,6 +12,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import _download, load_model
 
 from ..checkpoints import load_drafter, looks_like_drafter
+from ..confidence.costs import launch_settings_for_speculation
 from ..confidence.schedulers import SCHEDULERS
 from ..speculative.engine import adapt_target
 from ..plugins import drafter_kinds, find_drafter_kind
@@ -158,8 +159,19 @@ def preflight(model_path: str, draft_path: str, drafter) -> None:
     """Check that ``drafter`` fits the target, from the target's config and
     tensor headers (no weights read); keep it for mlx-lm's load."""
     target, _ = load_model(_download(model_path), lazy=True)
+    announce_launch_settings(launch_settings_for_speculation(target))
     adapt_target(target, drafter)
     preloaded[draft_path] = (threading.get_ident(), drafter)
+
+
+def announce_launch_settings(settings: dict) -> None:
+    if settings:
+        made = " ".join(f"{name}={value}" for name, value in settings.items())
+        print(
+            f"mlx-dspark: {made} for speculative decoding of an unquantized target "
+            "on MLX-CUDA (faster rounds); set MLX_USE_CUDA_GRAPHS=1 to keep CUDA graphs.",
+            file=sys.stderr,
+        )
 
 
 def _fail(prog: str, error: Exception):
