@@ -405,6 +405,8 @@ def run_prompts(model, tokenizer, drafter, path: Path, max_tokens: int):
 
 
 def diagnose(args) -> dict:
+    from .confidence.costs import launch_settings_for_speculation
+
     report = {"install": check_install()}
     try:
         model, tokenizer, drafter, target = load_pair(
@@ -414,6 +416,8 @@ def diagnose(args) -> dict:
         report["pair"] = {"ok": False, "problem": str(e)}
         return report
     report["pair"] = {"ok": True, **describe_pair(model, drafter, target)}
+    # Rounds timed as mlx-lm's commands would run them with this drafter.
+    launch_settings_for_speculation(model)
     draft_seconds = None
     if args.costs is not None:
         costs = read_costs(args.costs)

@@ -143,3 +143,19 @@ def test_a_server_uses_its_own_prompt_cache_lookup_unless_a_draft_model_serves(
     generator.model_provider.draft_model = object()
     lookup(("m", None, "drafter"), [1, 2])
     assert rollback_aware == [("m", None, "drafter")]
+
+
+def test_a_server_with_a_drafter_and_no_model_is_a_one_line_error(monkeypatch, capsys):
+    """``mlx_lm.server --draft-model DRAFTER`` without ``--model`` (mlx-lm's
+    server would load a model per request): a one-line error that names
+    the flag, not a stack trace; the server does not start."""
+    from mlx_dspark.integration import cli
+
+    drafter = str(DEEPSPEC_TINY / "dspark_tiny_gemma4_block4")
+    monkeypatch.setattr(sys, "argv", ["mlx_lm.server", "--draft-model", drafter])
+    started = []
+    with pytest.raises(SystemExit) as exit:
+        cli.main(lambda: started.append(1), "mlx_lm.server")
+    assert exit.value.code == 1 and not started
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("mlx_lm.server: error:") and "needs --model" in line

@@ -23,7 +23,6 @@ import time
 import mlx.core as mx
 
 from ..confidence.costs import depth_bucket, launch_settings_for_speculation
-from ..integration.cli import announce_launch_settings
 from ..progress import progress
 from .generator import SpeculativeBatchGenerator
 from .policy import FixedPolicy
@@ -118,7 +117,7 @@ def main(argv=None) -> int:
         check(args)
         model, tokenizer, drafter, _ = load_pair(args.model, args.draft_model, None)
         # As the server with this drafter launches its rounds (and keys its costs).
-        announce_launch_settings(launch_settings_for_speculation(model))
+        launch_settings_for_speculation(model)
     except ValueError as e:
         print(f"mlx_dspark costs: error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from functools import cached_property, partial
@@ -128,15 +129,22 @@ def model_fingerprint(model: nn.Module) -> dict:
 
 
 def launch_settings_for_speculation(model: nn.Module) -> dict:
-    """The launch settings set for a process that decodes ``model`` with a
-    drafter: ``NO_CUDA_GRAPHS`` on MLX-CUDA for an unquantized target, unless
-    the user set ``MLX_USE_CUDA_GRAPHS`` (``{}`` where nothing is set). MLX
-    reads it once, at its first use of the device: call this before."""
+    """Sets the launch settings for a process that decodes ``model`` with a
+    drafter, and says so on stderr: ``NO_CUDA_GRAPHS`` on MLX-CUDA for an
+    unquantized target, unless the user set ``MLX_USE_CUDA_GRAPHS``. Returns
+    what it set (``{}``: nothing). MLX reads it once, at its first evaluation
+    on the device: call this before."""
     if any(name in os.environ for name in NO_CUDA_GRAPHS):
         return {}
     if model_fingerprint(model)["quantization"] or not mx.cuda.is_available():
         return {}
     os.environ.update(NO_CUDA_GRAPHS)
+    made = " ".join(f"{name}={value}" for name, value in NO_CUDA_GRAPHS.items())
+    print(
+        f"mlx-dspark: {made} for speculative decoding of an unquantized target on "
+        "MLX-CUDA (faster rounds); set MLX_USE_CUDA_GRAPHS=1 to keep CUDA graphs.",
+        file=sys.stderr,
+    )
     return dict(NO_CUDA_GRAPHS)
 
 

@@ -158,20 +158,15 @@ def prepare(argv: List[str], with_processors: bool = False) -> Tuple[List[str], 
 def preflight(model_path: str, draft_path: str, drafter) -> None:
     """Check that ``drafter`` fits the target, from the target's config and
     tensor headers (no weights read); keep it for mlx-lm's load."""
-    target, _ = load_model(_download(model_path), lazy=True)
-    announce_launch_settings(launch_settings_for_speculation(target))
-    adapt_target(target, drafter)
-    preloaded[draft_path] = (threading.get_ident(), drafter)
-
-
-def announce_launch_settings(settings: dict) -> None:
-    if settings:
-        made = " ".join(f"{name}={value}" for name, value in settings.items())
-        print(
-            f"mlx-dspark: {made} for speculative decoding of an unquantized target "
-            "on MLX-CUDA (faster rounds); set MLX_USE_CUDA_GRAPHS=1 to keep CUDA graphs.",
-            file=sys.stderr,
+    if model_path is None:
+        raise ValueError(
+            f"A hidden-state drafter ({draft_path}) needs --model, the target it "
+            "drafts for."
         )
+    target, _ = load_model(_download(model_path), lazy=True)
+    adapt_target(target, drafter)
+    launch_settings_for_speculation(target)
+    preloaded[draft_path] = (threading.get_ident(), drafter)
 
 
 def _fail(prog: str, error: Exception):
