@@ -802,10 +802,11 @@ def test_a_scheduler_choice_out_of_range_is_refused(tiny_pair, choice):
 
 class TableCostScheduler(CostScheduler):
     """The cost scheduler on a fixed table of round costs instead of this
-    machine's timings, so that its choices depend on the confidences alone."""
+    machine's timings, so that its choices depend on the confidences alone
+    (and, given a ``clock``, on the rounds' times on it)."""
 
-    def __init__(self, temperatures, draft, verify):
-        super().__init__(temperatures, cache_profiles=False)
+    def __init__(self, temperatures, draft, verify, clock=None):
+        super().__init__(temperatures, cache_profiles=False, clock=clock)
         self.table = RoundCosts(draft, verify)
 
     def profile(self, timer):

@@ -57,8 +57,8 @@ def test_a_jagged_curve_pads_and_parks():
         pacing.update(6, 0)
     choices = [pacing.drafts(6, 2048) for _ in range(2 * REPROBE_EVERY)]
     assert choices.count(0) == 2 * REPROBE_EVERY - 2 and max(choices) > 0
-    # A single stream times no rounds: while drafting pays it never tries a
-    # plain round to learn what one really costs (a batch policy does).
+    # Untimed (no clock), a single stream never tries a plain round while
+    # drafting pays, to learn what one really costs.
     for _ in range(40):
         pacing.update(6, 6)
     assert all(pacing.drafts(6, 2048) for _ in range(3 * REPROBE_EVERY))
@@ -68,6 +68,73 @@ def test_a_jagged_curve_pads_and_parks():
     for _ in range(40):
         unpadded.update(6, [2, 1, 3, 6, 0, 1, 2, 3, 0, 4][_ % 10])
     assert unpadded.drafts(6, 2048) == 0
+
+
+class Clock:
+    """A clock that moves only when told to."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_single_stream_parks_when_its_drafting_rounds_run_slower_than_measured(monkeypatch):
+    """Drafting pays on the measured costs, but every drafting round takes
+    40 ms on the scheduler's clock, 26 ms more than they say (its launch,
+    say): once the shape's first rounds are past, the pacing learns it,
+    decodes plainly and probes now and then (drafts would pay if all were
+    accepted); the drafter's next generation parks from its first round.
+    Untimed, the same generation keeps drafting. The output is the target's
+    either way."""
+    model, drafter = trained("gemma4", "dflash")
+    clock, propose = Clock(), drafter.propose
+
+    def slow_drafting(*args, **kwargs):
+        clock.now += 0.04
+        return propose(*args, **kwargs)
+
+    monkeypatch.setattr(drafter, "propose", slow_drafting)
+    prompt, flat = [65, 211, 266, 241, 234, 10, 325, 168], [0.010] + [0.012] * 15
+    timed = TableCostScheduler(None, 0.002, flat, clock=clock)
+    ours, stats = speculative(model, drafter, prompt, 96, scheduler=timed)
+    assert ours == plain_greedy(model, prompt, 96)
+    drafted = [r.proposed > 0 for r in stats.history]
+    assert all(drafted[:3]) and not any(drafted[3:REPROBE_EVERY])
+    assert 0 < sum(drafted[3:]) <= len(drafted[3:]) // 4  # probes
+
+    again, stats = speculative(model, drafter, prompt, 24, scheduler=timed)
+    assert again == ours[:24] and not any(r.proposed for r in stats.history[:5])
+
+    untimed = TableCostScheduler(None, 0.002, flat)
+    ours, stats = speculative(model, drafter, prompt, 96, scheduler=untimed)
+    assert ours == plain_greedy(model, prompt, 96)
+    assert all(r.proposed for r in stats.history[:-1])
+
+
+def test_a_generation_that_fails_mid_round_leaves_the_next_ones_times_in_step(monkeypatch):
+    """A round chosen and never read (its generation raised in between)
+    is not the round the drafter's next generation observes first: every
+    time observed belongs to the round it timed."""
+    model, drafter = trained("gemma4", "dflash")
+    scheduler = TableCostScheduler(None, 0.002, [0.010] + [0.012] * 15, clock=Clock())
+    propose, calls = drafter.propose, []
+
+    def failing_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return propose(*args, **kwargs)
+
+    monkeypatch.setattr(drafter, "propose", failing_third)
+    prompt = [65, 211, 266, 241, 234, 10, 325, 168]
+    with pytest.raises(RuntimeError):
+        speculative(model, drafter, prompt, 24, scheduler=scheduler)
+    [policy] = scheduler.paced_policies.values()
+    assert len(policy._chosen) == 1  # the failed round's choice
+    ours, _ = speculative(model, drafter, prompt, 24, scheduler=scheduler)
+    assert ours == plain_greedy(model, prompt, 24) and not policy._chosen
 
 
 def test_a_generation_starts_from_the_drafters_recent_acceptance():
@@ -156,7 +223,7 @@ def test_a_single_stream_measures_a_few_verify_lengths_a_round(monkeypatch, conf
     monkeypatch.setattr(RoundTimer, "__call__", measured)
     prompt = [65, 211, 266, 241, 234, 10, 325, 168]
     temperatures = [1.0] * drafter.block_size if confidences else None
-    scheduler = CostScheduler(temperatures, cache_profiles=False)
+    scheduler = CostScheduler(temperatures, cache_profiles=False, clock=None)
     ours, stats = speculative(model, drafter, prompt, 48, scheduler=scheduler)
     assert ours == plain_greedy(model, prompt, 48)
     rows = verify_rows(drafter.block_size)

@@ -67,8 +67,8 @@ REPROBE_EVERY = 16
 # changes the round's shape, which costs that round one-off work (on MLX-CUDA
 # 40-70 ms even for a shape run before; in a batch its drafter also takes in
 # the parked rounds), so only the rounds after it show what the probed kind
-# costs. (A single stream's pacing observes no times: its probes learn
-# acceptance, one round each.)
+# costs. (A single stream's pacing without a clock observes no times: its
+# probes learn acceptance, one round each.)
 PROBE_ROUNDS = 2
 
 # The first rounds of each shape (batch size and drafts verified) pay
@@ -346,6 +346,12 @@ class BatchPolicy:
         self._chosen.append((batch, k, k > 0, predicted))
         self._shape = (batch, k)
         return k
+
+    def restart(self) -> None:
+        """A new generation of a single stream: a round chosen and never
+        observed (its generation ended between the two) is not the next
+        round observed."""
+        self._chosen.clear()
 
     def _keeping(self, batch: int):
         """The drafts of the round before, where it had ``batch`` rows, and

@@ -17,6 +17,7 @@ not on anything computed from draft k or later. Both confidence rules decide
 position by position and stop at the first refusal.
 """
 
+import time
 import warnings
 import weakref
 from typing import Callable, List, Optional, Sequence
@@ -105,15 +106,22 @@ class CostScheduler:
     name = "cost"
 
     def __init__(
-        self, temperatures: Optional[Sequence[float]], cache_profiles: bool = True
+        self,
+        temperatures: Optional[Sequence[float]],
+        cache_profiles: bool = True,
+        clock: Optional[Callable[[], float]] = time.perf_counter,
     ):
         self.temperatures = None if temperatures is None else list(temperatures)
         self.needs_confidence = temperatures is not None
         self.cache_profiles = cache_profiles
         self.profiles = {}
         # Drafts per round -> the drafter's recent acceptance by position
-        # over the generations it paced (``speculative.pacing``).
+        # over the generations it paced (``speculative.pacing``); (drafts
+        # per round, thread) -> the policy that paced them, with the rounds'
+        # realised times it learnt on ``clock`` (``None``: rounds not timed).
         self.recent_acceptance = {}
+        self.paced_policies = {}
+        self.clock = clock
 
     def profile(self, timer: RoundTimer) -> CostProfile:
         # By file, not by key alone: a scheduler lives as long as its drafter,

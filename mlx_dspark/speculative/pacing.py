@@ -16,10 +16,21 @@ two verify lengths on the live caches (``VERIFIES_MEASURED_PER_ROUND``) and
 drafts, verifies and pads within the lengths measured so far, rather than
 stopping for all 16.
 
+Each round is timed on the scheduler's ``clock``, from its choice to its
+verdict read, and the policy learns what rounds with drafts and without
+really take beyond their measured costs (``BatchPolicy.observe``): a round's
+launch and reading, which the costs leave out, can cost a drafting round far
+more than a plain one (on an H200, 6-16 ms), so drafts that pay on the
+measured costs alone can be slower than plain decoding. The policy, with what
+it learnt, is kept across the drafter's generations (one per thread), as its
+acceptance is.
+
 Lossless when sampling: a round's choice uses only earlier rounds, this
 generation's and the drafter's earlier generations' (and the padding changes
 no logit).
 """
+
+import threading
 
 from ..batching.policy import Acceptance, BatchPolicy
 from ..confidence.costs import VERIFIES_MEASURED_PER_ROUND
@@ -34,20 +45,33 @@ class Pacing:
         # scheduler) is where this generation's estimate starts.
         self.recent = scheduler.recent_acceptance.setdefault(drafts, Acceptance(drafts))
         self.acceptance = self.recent.newcomer()
-        self.policy = BatchPolicy(
-            lambda _, depth: scheduler.costs(depth, timer, most=VERIFIES_MEASURED_PER_ROUND)
+        self.policy = scheduler.paced_policies.setdefault(
+            (drafts, threading.get_ident()), BatchPolicy()
         )
+        self.policy.costs = lambda _, depth: scheduler.costs(
+            depth, timer, most=VERIFIES_MEASURED_PER_ROUND
+        )
+        self.policy.restart()
+        self.clock = scheduler.clock
+        self._began = None
 
     def drafts(self, cap: int, depth: int) -> int:
         """A round's drafts; at a depth not measured yet, it measures the
-        next few verify lengths and drafts no further than they reach."""
-        return self.policy.choose([self.acceptance.rates()], [cap], depth)
+        next few verify lengths and drafts no further than they reach. The
+        round's time starts once it is chosen (measuring left out)."""
+        drafts = self.policy.choose([self.acceptance.rates()], [cap], depth)
+        self._began = None if self.clock is None else self.clock()
+        return drafts
 
     def rows(self, tokens: int, depth: int) -> int:
         known = self.scheduler.profile(self.timer).known(depth, self.timer)
         return tokens if known is None else known.cheapest_rows(tokens)
 
     def update(self, verified: int, accepted: int) -> None:
+        """The round's verdict, read: its acceptance, and its time."""
+        if self._began is not None:
+            self.policy.observe(self.clock() - self._began)
+            self._began = None
         self.acceptance.update(verified, accepted)
         self.recent.update(verified, accepted)
 
