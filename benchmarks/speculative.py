@@ -64,7 +64,9 @@ def replayed_acceptance(tau: float, block_size: int, seed: int = 0):
     the profile's rate ``c``, so a schedule that reads them (the ``cost``
     scheduler) sees confidences calibrated to the acceptance replayed that
     tell no round from another, not those of random weights, which have
-    nothing to do with it."""
+    nothing to do with it. That holds for an uncalibrated drafter (the
+    random-weight ones): a calibration's temperatures would scale them. Rows
+    that sample keep their own acceptance, and get these confidences too."""
     conditional = conditional_for_tau(tau, block_size)
     rate = min(max(conditional, 1e-6), 1 - 1e-6)
     confident = math.log(rate / (1 - rate))
@@ -100,8 +102,9 @@ def replayed_acceptance(tau: float, block_size: int, seed: int = 0):
     def replayed_confidence(proposal, *args, **kwargs):
         propose(proposal, *args, **kwargs)
         if proposal.confidence is not None:
-            # Still computed, as the drafter's own are.
-            proposal.confidence = 0 * proposal.confidence + confident
+            # Still computed, as the drafter's own are (and never NaN).
+            own = proposal.confidence
+            proposal.confidence = mx.where(mx.isfinite(own), 0 * own, 0) + confident
 
     propose = Proposal.__init__
     decoding.greedy_accept = replayed

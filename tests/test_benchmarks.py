@@ -37,14 +37,14 @@ def test_a_variant_is_a_mode_served_with_its_own_environment(bench):
         "MLX_DSPARK_SERVER_PIPELINE": "1", "MLX_USE_CUDA_GRAPHS": "0", "A": "b=c",
     }
     refused = {
-        "no name": "=batched:A=1",
-        "an unknown mode": "x=fast:A=1",
-        "a mode's own name": "stock=batched:A=1",
-        "a setting without a value": "x=batched:A",
+        "no name": ("=batched:A=1", "expected NAME=MODE"),
+        "an unknown mode": ("x=fast:A=1", "expected NAME=MODE"),
+        "a mode's own name": ("stock=batched:A=1", "expected NAME=MODE"),
+        "a setting without a value": ("x=batched:A", "each setting is VAR=VALUE"),
     }
-    for why, text in refused.items():
-        with pytest.raises(ValueError, match="--variant"):
-            server_load.mode_table(["x", "stock"], [text])
+    for text, message in refused.values():
+        with pytest.raises(ValueError, match=message):
+            server_load.mode_table(["", "x", "stock"], [text])
     with pytest.raises(ValueError, match="list x in --modes"):
         server_load.mode_table(["stock"], ["x=batched:A=1"])
     with pytest.raises(ValueError, match="no mode fast"):
