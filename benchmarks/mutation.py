@@ -788,14 +788,72 @@ MUTANTS = [
         "        key = timer.key\n",
         ("tests/test_confidence.py", "-k", "long_lived"),
     ),
+    Mutant(
+        "a single stream's pacing observes no round's time",
+        SPEC + "pacing.py",
+        "            self.policy.observe(self.clock() - self._began)\n",
+        "            pass\n",
+        ("tests/test_pacing.py", "-k", "slower_than_measured"),
+    ),
+    Mutant(
+        "a single stream's pacing learns anew every generation",
+        SPEC + "pacing.py",
+        "        self.policy = scheduler.paced_policies.setdefault(\n"
+        "            (drafts, threading.get_ident()), BatchPolicy()\n"
+        "        )\n",
+        "        self.policy = BatchPolicy()\n",
+        ("tests/test_pacing.py", "-k", "slower_than_measured"),
+    ),
+    Mutant(
+        "a failed generation's last choice is the next generation's first observed",
+        "mlx_dspark/batching/policy.py",
+        "        self._chosen.clear()\n",
+        "        pass\n",
+        ("tests/test_pacing.py", "-k", "fails_mid_round"),
+    ),
+    Mutant(
+        "CUDA graphs turned off for quantized targets too",
+        "mlx_dspark/confidence/costs.py",
+        '    if model_fingerprint(model)["quantization"] or not mx.cuda.is_available():\n',
+        "    if not mx.cuda.is_available():\n",
+        ("tests/test_confidence.py", "-k", "cuda_graphs"),
+    ),
+    Mutant(
+        "the commands' preflight leaves CUDA graphs on",
+        "mlx_dspark/integration/cli.py",
+        "    launch_settings_for_speculation(target)\n",
+        "",
+        ("tests/test_confidence.py", "-k", "cuda_graphs"),
+    ),
+    Mutant(
+        "a hidden-state drafter without --model reaches the target's load",
+        "mlx_dspark/integration/cli.py",
+        "    if model_path is None:\n",
+        "    if False:\n",
+        ("tests/test_activation.py", "-k", "no_model"),
+    ),
+    Mutant(
+        "replayed acceptance leaves the drafter's own confidences",
+        "benchmarks/speculative.py",
+        "    Proposal.__init__ = replayed_confidence\n",
+        "",
+        ("tests/test_benchmarks.py", "-k", "replayed"),
+    ),
+    Mutant(
+        "a --variant left out of --modes is ignored",
+        "benchmarks/server_load.py",
+        "        if name not in modes:\n",
+        "        if False:\n",
+        ("tests/test_benchmarks.py", "-k", "variant"),
+    ),
 ]
 
 
 def copy_tree(destination: Path) -> None:
-    """The package, tests and project files, without virtual environments
-    or git metadata."""
-    ignore = shutil.ignore_patterns(".git", ".venv*", "__pycache__", "*.egg-info")
-    for name in ("mlx_dspark", "tests", "examples", "pyproject.toml"):
+    """The package, tests, benchmark scripts (which tests import) and
+    project files, without virtual environments, git metadata or results."""
+    ignore = shutil.ignore_patterns(".git", ".venv*", "__pycache__", "*.egg-info", "results")
+    for name in ("mlx_dspark", "tests", "examples", "benchmarks", "pyproject.toml"):
         source = ROOT / name
         if source.is_dir():
             shutil.copytree(source, destination / name, ignore=ignore)
