@@ -805,6 +805,21 @@ MUTANTS = [
         ("tests/test_pacing.py", "-k", "slower_than_measured"),
     ),
     Mutant(
+        "a round its confidences cut short is weighed against the drafts chosen",
+        SPEC + "engine.py",
+        "                    if num_verify != num_drafts:\n"
+        "                        pacing.verifies(num_verify, start)\n",
+        "",
+        ("tests/test_pacing.py", "-k", "fewer_drafts"),
+    ),
+    Mutant(
+        "a single stream's pacing forgets what a round verifies",
+        SPEC + "pacing.py",
+        "            self.policy.verifies(drafts, known.padded())\n",
+        "            pass\n",
+        ("tests/test_pacing.py", "-k", "fewer_drafts"),
+    ),
+    Mutant(
         "a failed generation's last choice is the next generation's first observed",
         "mlx_dspark/batching/policy.py",
         "        self._chosen.clear()\n",

@@ -113,6 +113,35 @@ def test_a_single_stream_parks_when_its_drafting_rounds_run_slower_than_measured
     assert all(r.proposed for r in stats.history[:-1])
 
 
+def test_a_round_whose_confidences_verify_fewer_drafts_is_timed_against_those(monkeypatch):
+    """A round that drafted 4 but verifies 1 (its drafter's confidences
+    said so) is weighed against the costs of verifying 1, not 4: what it
+    took beyond them is the drafting rounds' overhead, and the engine says
+    so for every such round, and only for those."""
+    dear = [0.010, 0.030, 0.031, 0.032, 0.033] + [0.034] * 11
+    clock = Clock()
+    pacing = Pacing(TableCostScheduler([1.0] * 4, 0.002, dear, clock=clock), None, 4)
+    for _ in range(6):
+        for _ in range(10):  # an acceptance at which 4 drafts pay
+            pacing.acceptance.update(4, 4)
+        assert pacing.drafts(4, 512) == 4
+        pacing.verifies(1, 512)
+        clock.now += 0.002 + dear[1] + 0.005
+        pacing.update(1, 1)
+    assert pacing.policy.overheads[1, True] == pytest.approx(0.005)
+
+    model, drafter = trained("gemma4", "dspark")
+    told = []
+    monkeypatch.setattr(Pacing, "verifies", lambda self, drafts, depth: told.append(drafts))
+    costs = [0.010, 0.011, 0.012, 0.030, 0.031] + [0.032] * 11
+    scheduler = TableCostScheduler([1.0] * 4, 0.002, costs)
+    prompt = [65, 211, 266, 241, 234, 10, 325, 168]
+    ours, stats = speculative(model, drafter, prompt, 48, scheduler=scheduler)
+    assert ours == plain_greedy(model, prompt, 48)
+    truncated = [r.proposed for r in stats.history if len(r.drafts) > r.proposed]
+    assert truncated and told == truncated
+
+
 def test_a_generation_that_fails_mid_round_leaves_the_next_ones_times_in_step(monkeypatch):
     """A round chosen and never read (its generation raised in between)
     is not the round the drafter's next generation observes first: every

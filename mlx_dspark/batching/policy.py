@@ -410,10 +410,15 @@ class BatchPolicy:
         # a plain round's as well.
         realised = RoundCosts(self.realised(measured, batch).draft, measured.verify)
         k = confident_drafts(survival, caps, realised)
-        if self._chosen and self._chosen[-1] is not None:
-            self._chosen[-1] = (batch, k, True, measured.verify[k] + measured.draft)
-        self._shape = (batch, k)
+        self.verifies(k, measured, batch)
         return k
+
+    def verifies(self, drafts: int, measured: RoundCosts, batch: int = 1) -> None:
+        """The round drafted and verifies ``drafts`` drafts (not what was
+        chosen): it is observed against ``measured`` costs of that."""
+        if self._chosen and self._chosen[-1] is not None:
+            self._chosen[-1] = (batch, drafts, True, measured.verify[drafts] + measured.draft)
+        self._shape = (batch, drafts)
 
     def width(self, drafts: int, most: int, depth: int, batch: int) -> int:
         """How many drafts each sequence drafts and verifies when at most
@@ -421,9 +426,7 @@ class BatchPolicy:
         that width."""
         measured = self.costs(batch, depth)
         width = round_width(drafts, most, measured, *self._keep)
-        if self._chosen and self._chosen[-1] is not None:
-            self._chosen[-1] = (batch, width, True, measured.verify[width] + measured.draft)
-        self._shape = (batch, width)
+        self.verifies(width, measured, batch)
         return width
 
     def realised(self, costs: RoundCosts, batch: int) -> RoundCosts:

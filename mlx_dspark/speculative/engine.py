@@ -273,6 +273,8 @@ def speculative_generate_step(
                     logits = proposal.confidence[:num_drafts].tolist()
                     num_verify = scheduler.choose(logits, start, timer)
                     _check_choice(scheduler, num_verify, num_drafts)
+                    if num_verify != num_drafts:
+                        pacing.verifies(num_verify, start)
                 else:
                     # Let the device draft while the host builds the verify.
                     mx.async_eval(proposal.tokens)

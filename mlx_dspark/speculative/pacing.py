@@ -20,9 +20,9 @@ Each round is timed on the scheduler's ``clock``, from its choice to its
 verdict read, and the policy learns what rounds with drafts and without
 really take beyond their measured costs (``BatchPolicy.observe``): a round's
 launch and reading, which the costs leave out, can cost a drafting round far
-more than a plain one (on an H200 at 12B shapes a round's launch took 9-19 ms
-beyond its verify forward's), so drafts that pay on the measured costs alone
-can be slower than plain decoding. The policy, with what
+more than a plain one (on an H200 at 12B shapes a round's launch took about
+5-13 ms beyond its verify forward's and its draft's), so drafts that pay on
+the measured costs alone can be slower than plain decoding. The policy, with what
 it learnt, is kept across the drafter's generations (one per thread), as its
 acceptance is.
 
@@ -47,10 +47,7 @@ class Pacing:
         self.recent = scheduler.recent_acceptance.setdefault(drafts, Acceptance(drafts))
         self.acceptance = self.recent.newcomer()
         self.policy = scheduler.paced_policies.setdefault(
-            (drafts, threading.get_ident()), BatchPolicy()
-        )
-        self.policy.costs = lambda _, depth: scheduler.costs(
-            depth, timer, most=VERIFIES_MEASURED_PER_ROUND
+            (drafts, getattr(timer, "key", None), threading.get_ident()), BatchPolicy()
         )
         self.policy.restart()
         self.clock = scheduler.clock
@@ -58,11 +55,23 @@ class Pacing:
 
     def drafts(self, cap: int, depth: int) -> int:
         """A round's drafts; at a depth not measured yet, it measures the
-        next few verify lengths and drafts no further than they reach. The
-        round's time starts once it is chosen (measuring left out)."""
+        next few verify lengths (on this generation's caches) and drafts no
+        further than they reach. The round's time starts once it is chosen
+        (measuring left out)."""
+        scheduler, timer = self.scheduler, self.timer
+        self.policy.costs = lambda _, depth: scheduler.costs(
+            depth, timer, most=VERIFIES_MEASURED_PER_ROUND
+        )
         drafts = self.policy.choose([self.acceptance.rates()], [cap], depth)
         self._began = None if self.clock is None else self.clock()
         return drafts
+
+    def verifies(self, drafts: int, depth: int) -> None:
+        """The round verifies ``drafts`` of its drafts (its drafter's
+        confidences chose fewer): its time is weighed against theirs."""
+        known = self.scheduler.profile(self.timer).known(depth, self.timer)
+        if known is not None:
+            self.policy.verifies(drafts, known.padded())
 
     def rows(self, tokens: int, depth: int) -> int:
         known = self.scheduler.profile(self.timer).known(depth, self.timer)
@@ -82,6 +91,9 @@ class FixedPacing:
 
     def drafts(self, cap: int, depth: int) -> int:
         return cap
+
+    def verifies(self, drafts: int, depth: int) -> None:
+        pass
 
     def rows(self, tokens: int, depth: int) -> int:
         return tokens
