@@ -805,6 +805,13 @@ MUTANTS = [
         ("tests/test_pacing.py", "-k", "slower_than_measured"),
     ),
     Mutant(
+        "plain rounds' overhead left out of a plain round's cost",
+        "mlx_dspark/batching/policy.py",
+        "            verify=[costs.verify[0] + plain] + list(costs.verify[1:]),\n",
+        "            verify=[costs.verify[0]] + list(costs.verify[1:]),\n",
+        ("tests/test_pacing.py", "-k", "every_round_keeps"),
+    ),
+    Mutant(
         "a round its confidences cut short is weighed against the drafts chosen",
         SPEC + "engine.py",
         "                    if num_verify != num_drafts:\n"

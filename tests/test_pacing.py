@@ -113,6 +113,36 @@ def test_a_single_stream_parks_when_its_drafting_rounds_run_slower_than_measured
     assert all(r.proposed for r in stats.history[:-1])
 
 
+def test_a_single_stream_slower_than_measured_in_every_round_keeps_drafting(monkeypatch):
+    """Every target forward takes 30 ms on the scheduler's clock, whatever
+    its rows: plain rounds run as much slower than measured as drafting
+    ones, so drafting still pays; the pacing learns the plain rounds'
+    overhead too (trying a few plain rounds to learn it) and keeps drafting."""
+    model, drafter = trained("gemma4", "dflash")
+    clock, adapt = Clock(), engine.adapt_target
+
+    class Slow:
+        def __init__(self, target):
+            self.target = target
+
+        def __getattr__(self, name):
+            return getattr(self.target, name)
+
+        def __call__(self, tokens, *args):
+            clock.now += 0.03
+            return self.target(tokens, *args)
+
+    monkeypatch.setattr(engine, "adapt_target", lambda *a: Slow(adapt(*a)))
+    prompt, flat = [65, 211, 266, 241, 234, 10, 325, 168], [0.010] + [0.012] * 15
+    scheduler = TableCostScheduler(None, 0.002, flat, clock=clock)
+    ours, stats = speculative(model, drafter, prompt, 96, scheduler=scheduler)
+    assert ours == plain_greedy(model, prompt, 96)
+    [policy] = scheduler.paced_policies.values()
+    assert set(policy.overheads) == {(1, True), (1, False)}
+    drafted = [r.proposed > 0 for r in stats.history]
+    assert not all(drafted) and sum(drafted) >= 0.75 * len(drafted)
+
+
 def test_a_round_whose_confidences_verify_fewer_drafts_is_timed_against_those(monkeypatch):
     """A round that drafted 4 but verifies 1 (its drafter's confidences
     said so) is weighed against the costs of verifying 1, not 4: what it
