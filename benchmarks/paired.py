@@ -14,6 +14,7 @@ the verdict and the bookkeeping). Writes JSON lines to ``--out`` and stdout.
 """
 
 import argparse
+import collections
 import itertools
 import json
 import statistics
@@ -121,6 +122,11 @@ def main():
                     "t_verify_ms": round(1000 * t_verify, 2),
                     "t_draft_ms": round(1000 * t_draft, 2),
                     "round_phase_ms": phase_ms,
+                    # What the scheduler verified: rounds by drafts verified
+                    # (0: a plain decode step, parked).
+                    "rounds_by_verified": dict(
+                        sorted(collections.Counter(r.proposed for r in stats.history).items())
+                    ),
                     "context": args.context,
                     "max_tokens": args.max_tokens,
                     "acceptance": "replayed (synthetic); wall-clock real",
