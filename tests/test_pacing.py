@@ -1,6 +1,8 @@
 """The cost scheduler's pacing of a single stream: padded verifies, parking
 and adaptive drafts, on injected cost curves (never this machine's speed)."""
 
+import itertools
+
 import mlx.core as mx
 import pytest
 from hypothesis import given
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
 from mlx_dspark.batching.policy import REPROBE_EVERY
-from mlx_dspark.confidence.costs import RoundCosts, RoundTimer, verify_rows
+from mlx_dspark.confidence.costs import REPEATS, RoundCosts, RoundTimer, verify_rows
 from mlx_dspark.confidence.schedulers import CostScheduler
 from mlx_dspark.speculative import engine
 from mlx_dspark.speculative.pacing import Pacing
@@ -269,13 +271,15 @@ def test_the_engine_verifies_at_the_cheapest_row_count(monkeypatch):
 def test_a_single_stream_measures_a_few_verify_lengths_a_round(monkeypatch, confidences):
     """On a machine with no cost profile yet, a generation under the cost
     scheduler does not stop for the whole measurement (16 verify lengths):
-    each round times the next two (the draft with the first), drafts no
-    further than the lengths timed so far reach (nor, reading the drafts'
-    confidences, verifies further), and the output is still the target's."""
+    each round times the next two once (the draft with the first), in
+    passes over all of them, drafts no further than the lengths timed so
+    far reach (nor, reading the drafts' confidences, verifies further), and
+    the output is still the target's."""
     model, drafter = trained("gemma4")
     calls, flat = [], [0.010] + [0.012] * 15  # drafting pays (injected costs)
 
-    def measured(timer, tokens=None, draft=True):
+    def measured(timer, tokens=None, draft=True, repeats=REPEATS):
+        assert repeats == 1
         calls.append(list(tokens))
         return RoundCosts(0.002 if draft else 0.0, [flat[n - 1] for n in tokens])
 
@@ -285,11 +289,74 @@ def test_a_single_stream_measures_a_few_verify_lengths_a_round(monkeypatch, conf
     scheduler = CostScheduler(temperatures, cache_profiles=False, clock=None)
     ours, stats = speculative(model, drafter, prompt, 48, scheduler=scheduler)
     assert ours == plain_greedy(model, prompt, 48)
-    rows = verify_rows(drafter.block_size)
-    assert calls == [[n, n + 1] for n in range(1, rows, 2)]  # one call a round
-    measuring = list(zip(stats.history, calls))
-    assert all(r.proposed + 1 <= timed[-1] for r, timed in measuring)
+    one_pass = [[n, n + 1] for n in range(1, verify_rows(drafter.block_size), 2)]
+    # One call a round, but for the last (no draft fits the budget).
+    assert len(calls) == min(stats.rounds - 1, REPEATS * len(one_pass))
+    assert calls == (one_pass * REPEATS)[: len(calls)]
+    reach = itertools.accumulate((timed[-1] for timed in calls), max)
+    measuring = list(zip(stats.history, reach))
+    assert all(r.proposed + 1 <= reached for r, reached in measuring)
     assert any(r.proposed for r, _ in measuring)
+
+
+# Drafting never pays, however many drafts are accepted: the pacing parks
+# from the first round and never probes.
+PARKED = [0.010] + [0.050] * 15
+
+
+def test_a_parked_stream_builds_each_round_before_reading_the_one_before(monkeypatch):
+    """Parked, a round is chosen and built before the round before it is
+    read, so that the device works on it meanwhile, as mlx-lm's plain
+    decoding overlaps its steps: before each token after the first is
+    yielded, the target forward of the next one is already built (but for
+    the last, where none follows)."""
+    model, drafter = trained("gemma4", "dflash")
+    forwards = verify_rows_seen(monkeypatch)
+    prompt, max_tokens = [65, 211, 266, 241, 234, 10, 325, 168], 12
+    stats = SpeculativeStats(drafter.name, drafter.block_size)
+    steps = speculative_generate_step(
+        mx.array(prompt), model, drafter, max_tokens=max_tokens, stats=stats,
+        scheduler=TableCostScheduler(None, 0.05, PARKED),
+    )
+    ours, built = [], []
+    for token, _, _ in steps:
+        ours.append(token)
+        built.append(len(forwards) - 2)  # after the prompt's two forwards
+    assert ours == plain_greedy(model, prompt, max_tokens)
+    assert not any(r.proposed for r in stats.history)
+    assert set(forwards[2:]) == {1}
+    decoded = max_tokens - 1
+    assert built[1:] == [min(k + 2, decoded) for k in range(decoded)]
+
+
+@given(
+    prompt=st.lists(st.integers(5, 400), min_size=1, max_size=12),
+    follow_up=st.lists(st.integers(5, 400), min_size=1, max_size=8),
+    stop_after=st.integers(1, 20),
+    how=st.sampled_from(["stop token", "max_tokens", "close"]),
+)
+def test_a_parked_stream_leaves_its_prompt_cache_exact(prompt, follow_up, stop_after, how):
+    """However a parked generation ends, with the round after its last
+    token built and never read, the prompt cache holds exactly the prompt
+    and the tokens received, so the next turn equals a fresh run."""
+    model, drafter = trained("gemma4", "dflash")
+    reference = plain_greedy(model, prompt, stop_after)
+    cache = mlx_dspark.make_prompt_cache(model, drafter)
+    steps = speculative_generate_step(
+        mx.array(prompt), model, drafter,
+        max_tokens=stop_after if how == "max_tokens" else 40,
+        stop_tokens=[reference[-1]] if how == "stop token" else [],
+        prompt_cache=cache, scheduler=TableCostScheduler(None, 0.05, PARKED),
+    )
+    received = []
+    for token, _, _ in steps:
+        received.append(token)
+        if how == "close" and len(received) == stop_after:
+            steps.close()
+    assert received == reference[: len(received)]
+    assert cache[0].offset == cache[-1].offset == len(prompt) + len(received)
+    turn2, _ = speculative(model, drafter, follow_up, 12, prompt_cache=cache)
+    assert turn2 == plain_greedy(model, prompt + received + follow_up, 12)
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "assistant"])

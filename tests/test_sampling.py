@@ -15,7 +15,7 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from mlx_lm import load
 from mlx_lm.generate import generate_step
@@ -39,6 +39,7 @@ from pit import (
     target_probabilities,
 )
 from conftest import DEEPSPEC_TINY
+from test_confidence import TableCostScheduler
 from test_lossless import random_drafter_kwargs
 from tiny import (
     cut_at_stop,
@@ -608,14 +609,21 @@ def test_sampled_runs_keep_the_prompt_cache_exact(rule):
     penalty=st.sampled_from([1.2, 2.0]),
     bias=st.dictionaries(st.integers(5, 511), st.floats(-5, 5), max_size=3),
     max_tokens=st.integers(1, 40),
+    parked=st.booleans(),
 )
-def test_greedy_with_logits_processors_is_lossless(prompt, penalty, bias, max_tokens):
+# A bias only the penalty holds back: a round that misses its anchor in the
+# penalty's context repeats it (7, 9, then 9 again).
+@example(prompt=[5, 6], penalty=100.0, bias={7: 30.0, 9: 29.0}, max_tokens=6, parked=True)
+def test_greedy_with_logits_processors_is_lossless(prompt, penalty, bias, max_tokens, parked):
     """At temperature 0 the processors apply to every verified position
-    exactly as in mlx-lm's generate_step."""
+    exactly as in mlx-lm's generate_step, drafting or parked (where each
+    round is built before the one before it is read)."""
     model, drafter = tiny()
     processors = make_logits_processors(
         logit_bias=bias or None, repetition_penalty=penalty
     )
+    # Drafting never pays on these costs: parked from the first round.
+    scheduler = TableCostScheduler(None, 0.05, [0.01] + [0.05] * 15) if parked else None
     ours = [
         t
         for t, _, _ in speculative_generate_step(
@@ -624,6 +632,7 @@ def test_greedy_with_logits_processors_is_lossless(prompt, penalty, bias, max_to
             drafter,
             max_tokens=max_tokens,
             logits_processors=processors,
+            scheduler=scheduler,
         )
     ]
     plain = [

@@ -33,9 +33,14 @@ REPEATS = 3
 # first verify measured in a round took 2-4x the others). And it comes in
 # bursts: repeats of one verify length in a row all fell into one (an H200's
 # 12B verifies of 6 and 7 tokens measured 27-28 ms between 17-18 ms ones),
-# so the repeats are passes over every part measured. Part of the key of a
-# profile, so that profiles measured another way are measured again.
-TIMING = "fastest of the repeats, in passes over the parts"
+# so the repeats are passes over every part measured, and a measurement
+# spread over rounds (``CostProfile.costs``' ``most``) makes one pass over
+# every part before the next (measured a few parts a round, all repeats at
+# once, an H200's 12B verifies of 4 and 5 tokens came out at 23 ms among
+# 18-20 ms ones, and a single stream padded its verifies around them).
+# Part of the key of a profile, so that profiles measured another way are
+# measured again.
+TIMING = "fastest of the repeats, in passes over the parts, also across rounds"
 # MLX's settings of how kernels are launched, which change what a round
 # costs (on an H200, a bf16 verify took 31.7 ms with CUDA graphs and 20.8 ms
 # without): part of a profile's key where set.
@@ -198,14 +203,17 @@ class RoundTimer:
 
     def __call__(
         self, tokens: Optional[Iterable[int]] = None, draft: bool = True,
-        tick: Optional[Callable[[], Any]] = None,
+        tick: Optional[Callable[[], Any]] = None, repeats: int = REPEATS,
     ) -> RoundCosts:
         """Costs of a draft (unless not ``draft``: 0) and of verifying each
-        of ``tokens`` tokens (by default ``1, 2, ...`` up to ``verify_rows``);
-        ``tick()`` after each part timed (a progress bar's)."""
+        of ``tokens`` tokens (by default ``1, 2, ...`` up to ``verify_rows``),
+        the fastest of ``repeats``; ``tick()`` after each part timed (a
+        progress bar's)."""
         tokens = range(1, self.verify_rows + 1) if tokens is None else tokens
         parts = [partial(self.verify, n) for n in tokens]
-        seconds = fastest_seconds(*([self.draft] if draft else []), *parts, tick=tick)
+        seconds = fastest_seconds(
+            *([self.draft] if draft else []), *parts, tick=tick, repeats=repeats
+        )
         return RoundCosts(
             draft=seconds[0] if draft else 0.0,
             verify=seconds[1:] if draft else seconds,
@@ -216,16 +224,17 @@ def fastest_seconds(
     *fns: Callable[[], Any],
     clock: Optional[Callable[[], float]] = None,
     tick: Optional[Callable[[], Any]] = None,
+    repeats: int = REPEATS,
 ) -> List[float]:
     """The fewest seconds each of ``fns()`` took with its result evaluated,
-    of ``REPEATS`` passes over all of them (see ``TIMING``). Within a pass
+    of ``repeats`` passes over all of them (see ``TIMING``). Within a pass
     each runs once untimed before it is timed: the first use of a shape
     compiles, and on MLX-CUDA any change of shape costs its first round
     40-70 ms (``batching.policy.PROBE_ROUNDS``), where a round of a server
     mostly repeats the shape before it."""
     clock = clock or time.perf_counter
     fastest = [math.inf] * len(fns)
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         for i, fn in enumerate(fns):
             mx.eval(fn())
             tic = clock()
@@ -266,7 +275,7 @@ class CostProfile:
         self.path = path
         self.max_age = max_age
         self.entries = self._read()
-        self._partial = {}  # entry key -> the RoundCosts measured so far
+        self._partial = {}  # entry key -> the _Partial measurement under way
 
     def _read(self) -> dict:
         try:
@@ -311,23 +320,24 @@ class CostProfile:
         profile is a batch generator's), measured with ``timer`` when this
         profile has none (or only stale or malformed ones) for that bucket.
 
-        With ``most``, a call measures at most that many verifies (and the
-        draft with the first of them) and returns what is measured so far,
-        its ``verify`` short of ``timer.verify_rows`` until the rest are: a
-        server measures across rounds instead of stopping every request for
-        the whole measurement."""
+        With ``most``, a call times at most that many verifies once (and
+        the draft with the first of them), one pass over all of them after
+        another (``REPEATS``, see ``TIMING``), and returns the fastest of what
+        is timed so far, its ``verify`` short of ``timer.verify_rows`` until
+        the first pass is over: a server measures across rounds instead of
+        stopping every request for the whole measurement."""
         key = _entry_key(depth, batch)
         entry = self.entries.get(key)
         if not self._usable(entry, timer.verify_rows):
-            so_far = self._partial.pop(key, None)
-            start = len(so_far.verify) + 1 if so_far else 1
-            end = timer.verify_rows if most is None else min(start + most - 1, timer.verify_rows)
-            measured = timer(range(start, end + 1), draft=so_far is None)
-            if so_far is not None:
-                measured = RoundCosts(so_far.draft, so_far.verify + measured.verify)
-            if len(measured.verify) < timer.verify_rows:
-                self._partial[key] = measured
-                return measured
+            if most is None:
+                self._partial.pop(key, None)
+                measured = timer()
+            else:
+                under_way = self._partial.setdefault(key, _Partial())
+                measured = under_way.go_on(timer, most)
+                if under_way.passes < REPEATS:
+                    return measured
+                del self._partial[key]
             entry = dict(
                 draft=measured.draft,
                 verify=measured.verify,
@@ -345,26 +355,66 @@ class CostProfile:
         entry = self.entries.get(key)
         if self._usable(entry, timer.verify_rows):
             return RoundCosts(entry["draft"], entry["verify"])
-        return self._partial.get(key)
+        under_way = self._partial.get(key)
+        return under_way and under_way.fastest
 
     def measured_batches(self, depth: int, tokens: int) -> dict:
-        """``{batch: RoundCosts}`` of the usable batch entries at ``depth``."""
+        """``{batch: RoundCosts}`` of the usable batch entries at ``depth``,
+        and of the measurements under way there past their first pass over
+        every length (the later passes only refine them)."""
         found = {}
         for key, entry in self.entries.items():
             batch, _, bucket = key.partition("x")
             if bucket == str(depth_bucket(depth)) and self._usable(entry, tokens):
                 found[int(batch)] = RoundCosts(entry["draft"], entry["verify"])
+        for batch, under_way in self.partial_batches(depth).items():
+            if batch not in found and len(under_way.verify) == tokens:
+                found[batch] = under_way
         return found
 
     def partial_batches(self, depth: int) -> dict:
         """``{batch: RoundCosts}`` of the measurements at ``depth`` under way
         (see ``costs``' ``most``)."""
         found = {}
-        for key, costs in self._partial.items():
+        for key, under_way in self._partial.items():
             batch, _, bucket = key.partition("x")
             if bucket == str(depth_bucket(depth)):
-                found[int(batch)] = costs
+                found[int(batch)] = under_way.fastest
         return found
+
+
+@dataclass
+class _Partial:
+    """A measurement spread over calls: the fastest of each part timed so
+    far, the passes over all of them completed, and the next verify length
+    of the pass under way."""
+
+    fastest: Optional[RoundCosts] = None
+    passes: int = 0
+    next_length: int = 1
+
+    def go_on(self, timer: RoundTimer, most: int) -> RoundCosts:
+        """Time the next ``most`` verify lengths of the pass (and the draft
+        where the pass starts); the fastest of every part so far."""
+        start = self.next_length
+        end = min(start + most - 1, timer.verify_rows)
+        timed = timer(range(start, end + 1), draft=start == 1, repeats=1)
+        if self.fastest is None:
+            self.fastest = timed
+        else:
+            old = self.fastest
+            verify = list(old.verify)
+            for n, seconds in zip(range(start, end + 1), timed.verify):
+                if n <= len(verify):
+                    verify[n - 1] = min(verify[n - 1], seconds)
+                else:
+                    verify.append(seconds)
+            draft = min(old.draft, timed.draft) if start == 1 else old.draft
+            self.fastest = RoundCosts(draft, verify)
+        self.next_length = end + 1
+        if end == timer.verify_rows:
+            self.passes, self.next_length = self.passes + 1, 1
+        return self.fastest
 
 
 def _entry_key(depth: int, batch: Optional[int]) -> str:

@@ -5,7 +5,10 @@ proposes a block after the anchor, the target verifies ``[anchor, drafts]`` in
 one forward, the longest agreeing prefix is kept plus the target's own next
 token, the target caches roll back to the kept prefix and the drafter takes in
 the target's taps of the kept positions. Between rounds the target and drafter
-caches both hold every position before the anchor.
+caches both hold every position before the anchor. A round without drafts
+(the ``cost`` scheduler's pacing parked) is read only once the next round is
+chosen, and built where it has none either, so that the device works on it
+meanwhile, as mlx-lm's plain decoding overlaps its steps.
 
 Which drafts are kept depends on the request's sampler (see ``speculative.decoding``).
 """
@@ -20,7 +23,6 @@ from ..cache import rollback_depth
 from ..confidence.calibration import survival
 from ..confidence.costs import live_timer, verify_rows
 from ..confidence.schedulers import scheduler_for
-from ..drafters.base import Proposal
 from ..plugins import find_target_adapter
 from ..validation import (
     check,
@@ -245,31 +247,79 @@ def speculative_generate_step(
         context = mx.concatenate([prompt, anchor])
         yielded = []
 
+        def cap(emitted):
+            """No drafts past what can still be emitted (the round's own
+            target token is one of them)."""
+            if max_tokens <= 0:
+                return num_draft_tokens
+            return min(num_draft_tokens, max_tokens - emitted - 1)
+
+        def plain_round(anchor, context, start):
+            """A round without drafts, built: its log-probabilities and
+            token (unread). It keeps what a round that accepted nothing keeps."""
+            padding = pacing.rows(1, start) - 1
+            out = forward(mx.repeat(anchor.reshape(1), 1 + padding))
+            log_probs, _, tokens = decoding.judge(
+                mx.array([], mx.uint32), None, out.logits[0, :1], context, num_draft_tokens + 1
+            )
+            for c in target_cache:
+                c.trim(padding)
+            drafter.commit(draft_cache, [h[:, :1] for h in out.hidden], None)
+            return log_probs, tokens[:1]
+
         try:
             token = anchor.item()
             yielded.append(token)
             yield token, log_probs[0], False
+            built = chosen = None
             while token not in stop_tokens and len(yielded) != max_tokens:
-                start = target_cache[0].offset
-                # No drafts past what can still be emitted (the round's own
-                # target token is one of them).
-                num_drafts = num_draft_tokens
-                if max_tokens > 0:
-                    num_drafts = min(num_drafts, max_tokens - len(yielded) - 1)
-                num_drafts = pacing.drafts(num_drafts, start)
-                if num_drafts == 0:
-                    proposal = Proposal(tokens=mx.array([], mx.uint32))
+                plain = None
+                if built is not None:
+                    start, plain, num_drafts = built[0], built[1:], 0
+                elif chosen is not None:
+                    start, num_drafts = chosen
                 else:
-                    proposal = drafter.propose(
-                        draft_cache,
-                        anchor,
-                        num_drafts,
-                        decoding.draw_for(context),
-                        target=target,
-                        target_cache=target_cache,
+                    start = target_cache[0].offset
+                    num_drafts = pacing.drafts(cap(len(yielded)), start)
+                built = chosen = None
+                if num_drafts == 0:
+                    if plain is None:
+                        plain = plain_round(anchor, context, start)
+                        mx.async_eval(*plain)
+                    log_probs, tokens = plain
+                    context = mx.concatenate([context, tokens])
+                    # The next round is chosen, and built if it has no drafts
+                    # either, before this one is read: the device works on it
+                    # meanwhile, as mlx-lm's plain decoding overlaps its
+                    # steps. (Its work is wasted if this token stops.)
+                    if max_tokens <= 0 or len(yielded) + 1 < max_tokens:
+                        chosen = (start + 1, pacing.drafts(cap(len(yielded) + 1), start + 1))
+                        if chosen[1] == 0:
+                            built = (start + 1, *plain_round(tokens, context, start + 1))
+                            mx.async_eval(*built[1:])
+                            chosen = None
+                    token = tokens.item()
+                    pacing.update(0, 0)
+                    stats.history.append(
+                        Round(
+                            start=start, anchor=yielded[-1], drafts=[], confidence=None,
+                            proposed=0, accepted=0, next_token=token, predicted=None,
+                        )
                     )
+                    yielded.append(token)
+                    yield token, log_probs[0], False
+                    anchor = tokens[0]
+                    continue
+                proposal = drafter.propose(
+                    draft_cache,
+                    anchor,
+                    num_drafts,
+                    decoding.draw_for(context),
+                    target=target,
+                    target_cache=target_cache,
+                )
                 num_verify = num_drafts
-                if scheduler.needs_confidence and num_drafts:
+                if scheduler.needs_confidence:
                     logits = proposal.confidence[:num_drafts].tolist()
                     num_verify = scheduler.choose(logits, start, timer)
                     _check_choice(scheduler, num_verify, num_drafts)
@@ -307,11 +357,7 @@ def speculative_generate_step(
                 for c in target_cache:
                     c.trim(num_verify + padding - accepted)
                 pacing.update(verified, accepted)
-                drafter.commit(
-                    draft_cache,
-                    [h[:, : accepted + 1] for h in out.hidden],
-                    proposal if num_drafts else None,
-                )
+                drafter.commit(draft_cache, [h[:, : accepted + 1] for h in out.hidden], proposal)
                 confidence = predicted = None
                 if proposal.confidence is not None:
                     confidence = proposal.confidence.tolist()

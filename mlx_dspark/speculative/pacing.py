@@ -16,7 +16,8 @@ two verify lengths on the live caches (``VERIFIES_MEASURED_PER_ROUND``) and
 drafts, verifies and pads within the lengths measured so far, rather than
 stopping for all 16.
 
-Each round is timed on the scheduler's ``clock``, from its choice to its
+Each round is timed on the scheduler's ``clock``, from its choice (or the
+read of the round before, for a round chosen before that read) to its
 verdict read, and the policy learns what rounds with drafts and without
 really take beyond their measured costs (``BatchPolicy.observe``): a round's
 launch and reading, which the costs leave out, can cost a drafting round far
@@ -32,6 +33,7 @@ no logit).
 """
 
 import threading
+from collections import deque
 
 from ..batching.policy import Acceptance, BatchPolicy
 from ..confidence.costs import VERIFIES_MEASURED_PER_ROUND
@@ -51,19 +53,23 @@ class Pacing:
         )
         self.policy.restart()
         self.clock = scheduler.clock
-        self._began = None
+        self._began = deque()  # when each round chosen and not yet read was
+        self._read = None  # when the last round's verdict was read
+        self._overlapped = []  # the times of rounds read after their successor was chosen
 
     def drafts(self, cap: int, depth: int) -> int:
         """A round's drafts; at a depth not measured yet, it measures the
         next few verify lengths (on this generation's caches) and drafts no
         further than they reach. The round's time starts once it is chosen
-        (measuring left out)."""
+        (measuring left out), or where it is chosen before the round before
+        it is read, at that read."""
         scheduler, timer = self.scheduler, self.timer
         self.policy.costs = lambda _, depth: scheduler.costs(
             depth, timer, most=VERIFIES_MEASURED_PER_ROUND
         )
         drafts = self.policy.choose([self.acceptance.rates()], [cap], depth)
-        self._began = None if self.clock is None else self.clock()
+        if self.clock is not None:
+            self._began.append(self.clock())
         return drafts
 
     def verifies(self, drafts: int, depth: int) -> None:
@@ -78,10 +84,22 @@ class Pacing:
         return tokens if known is None else known.cheapest_rows(tokens)
 
     def update(self, verified: int, accepted: int) -> None:
-        """The round's verdict, read: its acceptance, and its time."""
-        if self._began is not None:
-            self.policy.observe(self.clock() - self._began)
-            self._began = None
+        """The oldest round's verdict, read: its acceptance, and its time
+        (a round chosen while the one before it ran, from that one's read:
+        the device did the two in turn)."""
+        if self._began:
+            began, read = self._began.popleft(), self.clock()
+            seconds = read - (began if self._read is None else max(began, self._read))
+            self._read = read
+            if self._began:
+                # Its successor was built while it ran, so the host's work
+                # for one fell in the other's time: a run of such rounds is
+                # observed at its mean so far.
+                self._overlapped.append(seconds)
+                seconds = sum(self._overlapped) / len(self._overlapped)
+            else:
+                self._overlapped = []
+            self.policy.observe(seconds)
         self.acceptance.update(verified, accepted)
         self.recent.update(verified, accepted)
 
