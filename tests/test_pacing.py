@@ -82,14 +82,27 @@ class Clock:
         return self.now
 
 
-def test_a_single_stream_parks_when_its_drafting_rounds_run_slower_than_measured(monkeypatch):
+class MeasuringCostScheduler(TableCostScheduler):
+    """Costs that take a second of the clock whenever a round asks for
+    them, as measuring them on the live caches takes time."""
+
+    def costs(self, depth, timer, most=None):
+        self.clock.now += 1.0
+        return super().costs(depth, timer, most)
+
+
+@pytest.mark.parametrize("measuring", [False, True], ids=["measured", "measuring"])
+def test_a_single_stream_parks_when_its_drafting_rounds_run_slower_than_measured(
+    monkeypatch, measuring
+):
     """Drafting pays on the measured costs, but every drafting round takes
     40 ms on the scheduler's clock, 26 ms more than they say (its launch,
     say): once the shape's first rounds are past, the pacing learns it,
     decodes plainly and probes now and then (drafts would pay if all were
     accepted); the drafter's next generation parks from its first round.
     Untimed, the same generation keeps drafting. The output is the target's
-    either way."""
+    either way. Time spent measuring costs counts for no round, also not
+    for a parked round in flight while the next one is chosen."""
     model, drafter = trained("gemma4", "dflash")
     clock, propose = Clock(), drafter.propose
 
@@ -99,7 +112,8 @@ def test_a_single_stream_parks_when_its_drafting_rounds_run_slower_than_measured
 
     monkeypatch.setattr(drafter, "propose", slow_drafting)
     prompt, flat = [65, 211, 266, 241, 234, 10, 325, 168], [0.010] + [0.012] * 15
-    timed = TableCostScheduler(None, 0.002, flat, clock=clock)
+    kind = MeasuringCostScheduler if measuring else TableCostScheduler
+    timed = kind(None, 0.002, flat, clock=clock)
     ours, stats = speculative(model, drafter, prompt, 96, scheduler=timed)
     assert ours == plain_greedy(model, prompt, 96)
     drafted = [r.proposed > 0 for r in stats.history]

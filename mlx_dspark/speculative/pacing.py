@@ -67,9 +67,16 @@ class Pacing:
         self.policy.costs = lambda _, depth: scheduler.costs(
             depth, timer, most=VERIFIES_MEASURED_PER_ROUND
         )
+        if self.clock is None:
+            return self.policy.choose([self.acceptance.rates()], [cap], depth)
+        tic = self.clock()
         drafts = self.policy.choose([self.acceptance.rates()], [cap], depth)
-        if self.clock is not None:
-            self._began.append(self.clock())
+        # Measuring costs is no round's time, also not a round's in flight.
+        measuring = self.clock() - tic
+        self._began = deque(began + measuring for began in self._began)
+        if self._read is not None:
+            self._read += measuring
+        self._began.append(self.clock())
         return drafts
 
     def verifies(self, drafts: int, depth: int) -> None:
