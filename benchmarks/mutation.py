@@ -70,8 +70,8 @@ MUTANTS = [
     Mutant(
         "drafts one past the token budget",
         SPEC + "engine.py",
-        "max_tokens - len(yielded) - 1)",
-        "max_tokens - len(yielded))",
+        "return min(num_draft_tokens, max_tokens - emitted - 1)",
+        "return min(num_draft_tokens, max_tokens - emitted)",
         ("tests/test_lossless.py", "-k", "budget"),
     ),
     Mutant(
@@ -347,7 +347,7 @@ MUTANTS = [
     Mutant(
         "a padded round is observed against the drafts judged",
         "mlx_dspark/batching/policy.py",
-        "            self._chosen[-1] = (batch, width, True, measured.verify[width] + measured.draft)",
+        "            self._chosen[-1] = (batch, drafts, True, measured.verify[drafts] + measured.draft)",
         "            pass",
         ("tests/test_batching.py", "-k", "cost_of_its_width"),
     ),
@@ -672,8 +672,8 @@ MUTANTS = [
     Mutant(
         "cost repeats in a row, not passes over the parts",
         "mlx_dspark/confidence/costs.py",
-        "    for _ in range(REPEATS):\n        for i, fn in enumerate(fns):\n",
-        "    for i, fn in enumerate(fns):\n        for _ in range(REPEATS):\n",
+        "    for _ in range(repeats):\n        for i, fn in enumerate(fns):\n",
+        "    for i, fn in enumerate(fns):\n        for _ in range(repeats):\n",
         ("tests/test_confidence.py", "-k", "burst or shape or fastest"),
     ),
     Mutant(
@@ -791,7 +791,7 @@ MUTANTS = [
     Mutant(
         "a single stream's pacing observes no round's time",
         SPEC + "pacing.py",
-        "            self.policy.observe(self.clock() - self._began)\n",
+        "            self.policy.observe(seconds)\n",
         "            pass\n",
         ("tests/test_pacing.py", "-k", "slower_than_measured"),
     ),
@@ -799,7 +799,7 @@ MUTANTS = [
         "a single stream's pacing learns anew every generation",
         SPEC + "pacing.py",
         "        self.policy = scheduler.paced_policies.setdefault(\n"
-        "            (drafts, threading.get_ident()), BatchPolicy()\n"
+        "            (drafts, getattr(timer, \"key\", None), threading.get_ident()), BatchPolicy()\n"
         "        )\n",
         "        self.policy = BatchPolicy()\n",
         ("tests/test_pacing.py", "-k", "slower_than_measured"),
@@ -867,6 +867,68 @@ MUTANTS = [
         "        if name not in modes:\n",
         "        if False:\n",
         ("tests/test_benchmarks.py", "-k", "variant"),
+    ),
+    # Session 20: cost measurements across rounds in passes; parked rounds
+    # built ahead.
+    Mutant(
+        "a measurement across rounds times every repeat of a length at once",
+        "mlx_dspark/confidence/costs.py",
+        "draft=start == 1, repeats=1)",
+        "draft=start == 1)",
+        ("tests/test_confidence.py", "-k", "at_a_time or fastest_pass"),
+    ),
+    Mutant(
+        "a later pass's time replaces the fastest so far",
+        "mlx_dspark/confidence/costs.py",
+        "verify[n - 1] = min(verify[n - 1], seconds)",
+        "verify[n - 1] = seconds",
+        ("tests/test_confidence.py", "-k", "fastest_pass"),
+    ),
+    Mutant(
+        "a measurement across rounds times the draft every call",
+        "mlx_dspark/confidence/costs.py",
+        "draft=start == 1, repeats=1)",
+        "draft=True, repeats=1)",
+        ("tests/test_confidence.py", "-k", "at_a_time"),
+    ),
+    Mutant(
+        "a measurement past its first pass does not stand in as measured",
+        "mlx_dspark/confidence/costs.py",
+        "            if batch not in found and len(under_way.verify) == tokens:\n",
+        "            if False:\n",
+        ("tests/test_batching.py", "-k", "powers_of_two"),
+    ),
+    Mutant(
+        "a parked round is read before the next one is built",
+        SPEC + "engine.py",
+        "                        if chosen[1] == 0:\n",
+        "                        if False:\n",
+        ("tests/test_pacing.py", "-k", "builds_each"),
+    ),
+    Mutant(
+        "a round built ahead leaves its anchor out of the processors' context",
+        SPEC + "engine.py",
+        "built = (start + 1, *plain_round(tokens, context, start + 1))",
+        "built = (start + 1, *plain_round(tokens, context[:-1], start + 1))",
+        ("tests/test_sampling.py", "-k", "greedy_with_logits_processors"),
+    ),
+    Mutant(
+        "time spent measuring counts for a parked round in flight",
+        SPEC + "pacing.py",
+        "        self._began = deque(began + measuring for began in self._began)\n",
+        "",
+        ("tests/test_pacing.py", "-k", "parks_when"),
+        "A round's time starts at the later of its choice and the read before it; the read, "
+        "shifted past the measuring too, already moves the start past it but for the time "
+        "between that read and the round's choice (the consumer's, and the stream's own "
+        "host work), which the tests' clock does not move.",
+    ),
+    Mutant(
+        "rounds built ahead are each observed at their own shifted time",
+        SPEC + "pacing.py",
+        "                seconds = sum(self._overlapped) / len(self._overlapped)\n",
+        "",
+        ("tests/test_pacing.py", "-k", "every_round_keeps"),
     ),
 ]
 

@@ -514,16 +514,16 @@ def test_a_profile_measured_across_rounds_keeps_the_fastest_pass_of_each_part(tm
     different rounds: a burst that slows one round's parts (an H200's 12B
     verifies of 4 and 5 tokens, timed together, came out 20% over the rest)
     is outvoted by the other passes, part by part."""
-    slow = [0.01, 0.02, 0.03, 0.04, 0.05]
     fast = [0.01, 0.011, 0.012, 0.013, 0.014]
 
     class BurstyTimer(CountingTimer):
         def __call__(self, tokens=None, draft=True, repeats=costs_module.REPEATS):
-            # Every part slow in the first pass but the last length's; the
-            # draft slow in the second.
-            first_pass = self.calls < 3
+            # Each call times the next two lengths (three calls a pass); a
+            # burst slows one call of each pass: the draft and lengths 1-2
+            # in the first pass, 3-4 in the second, 5 in the third.
+            burst = self.calls in (0, 4, 8)
             self.costs = RoundCosts(
-                0.005 if self.calls == 3 else 0.002, slow[:4] + fast[4:] if first_pass else fast
+                0.005 if burst else 0.002, [c * 2 if burst else c for c in fast]
             )
             return super().__call__(tokens, draft, repeats)
 
