@@ -829,8 +829,8 @@ MUTANTS = [
     Mutant(
         "a failed generation's last choice is the next generation's first observed",
         "mlx_dspark/batching/policy.py",
-        "        self._chosen.clear()\n",
-        "        pass\n",
+        "        self._chosen = deque() if chosen is None else chosen\n",
+        "        self._chosen = self._chosen if chosen is None else chosen\n",
         ("tests/test_pacing.py", "-k", "fails_mid_round"),
     ),
     Mutant(
@@ -913,22 +913,40 @@ MUTANTS = [
         ("tests/test_sampling.py", "-k", "greedy_with_logits_processors"),
     ),
     Mutant(
-        "time spent measuring counts for a parked round in flight",
+        "a parked round in flight while costs were measured is observed",
         SPEC + "pacing.py",
-        "        self._began = deque(began + measuring for began in self._began)\n",
-        "",
+        "            self._began = deque(None for _ in self._began)\n            self._read = None\n",
+        "            pass\n",
         ("tests/test_pacing.py", "-k", "parks_when"),
-        "A round's time starts at the later of its choice and the read before it; the read, "
-        "shifted past the measuring too, already moves the start past it but for the time "
-        "between that read and the round's choice (the consumer's, and the stream's own "
-        "host work), which the tests' clock does not move.",
+    ),
+    Mutant(
+        "generations advanced in turn observe each other's rounds",
+        SPEC + "pacing.py",
+        "            self._read = read\n            self.policy.restart(self._chosen)\n",
+        "            self._read = read\n",
+        ("tests/test_pacing.py", "-k", "own_rounds"),
     ),
     Mutant(
         "rounds built ahead are each observed at their own shifted time",
         SPEC + "pacing.py",
-        "                seconds = sum(self._overlapped) / len(self._overlapped)\n",
+        "                seconds = self._overlapped[0] / self._overlapped[1]\n",
         "",
         ("tests/test_pacing.py", "-k", "every_round_keeps"),
+    ),
+    Mutant(
+        "a measurement under way never expires",
+        "mlx_dspark/confidence/costs.py",
+        "        if under_way is not None and not 0 <= time.time() - under_way.started <= self.max_age:\n",
+        "        if False:\n",
+        ("tests/test_confidence.py", "-k", "expires_and"),
+    ),
+    Mutant(
+        "a failed timing leaves an empty measurement under way",
+        "mlx_dspark/confidence/costs.py",
+        "                under_way = self._under_way(key) or _Partial()\n",
+        "                under_way = self._under_way(key) or _Partial()\n"
+        "                self._partial[key] = under_way\n",
+        ("tests/test_confidence.py", "-k", "expires_and"),
     ),
 ]
 

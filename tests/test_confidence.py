@@ -509,6 +509,32 @@ def test_a_profile_measured_a_few_verifies_at_a_time_is_the_whole_measurement(tm
     assert timer.verified == [1, 2] and timer.drafts_timed == 1 and len(again.verify) == 2
 
 
+def test_a_measurement_under_way_expires_and_a_failed_timing_leaves_none(tmp_path):
+    """Past its first pass a measurement under way stands in as measured,
+    until it is as old as a whole measurement may be (a server's batch size
+    that left would otherwise stand in for days); a timing that fails
+    leaves no measurement under way behind."""
+    timer = CountingTimer(0.002, [0.01, 0.011, 0.012, 0.013, 0.014])
+    profile = CostProfile(tmp_path / "profile.json")
+    for _ in range(3):
+        profile.costs(100, timer, batch=4, most=2)
+    assert profile.measured_batches(100, 5) == {4: timer.costs}
+    profile.max_age = -1.0
+    assert profile.measured_batches(100, 5) == profile.partial_batches(100) == {}
+    timer.verified = []
+    profile.costs(100, timer, batch=4, most=2)
+    assert timer.verified == [1, 2]  # from the start
+
+    class Failing(CountingTimer):
+        def __call__(self, tokens=None, draft=True, repeats=costs_module.REPEATS):
+            raise RuntimeError("out of memory")
+
+    fresh = CostProfile(None)
+    with pytest.raises(RuntimeError):
+        fresh.costs(100, Failing(0.002, [0.01] * 5), batch=2, most=2)
+    assert fresh.partial_batches(100) == {}
+
+
 def test_a_profile_measured_across_rounds_keeps_the_fastest_pass_of_each_part(tmp_path):
     """Measured a few parts a round, the repeats of one length are timed in
     different rounds: a burst that slows one round's parts (an H200's 12B
@@ -519,9 +545,10 @@ def test_a_profile_measured_across_rounds_keeps_the_fastest_pass_of_each_part(tm
     class BurstyTimer(CountingTimer):
         def __call__(self, tokens=None, draft=True, repeats=costs_module.REPEATS):
             # Each call times the next two lengths (three calls a pass); a
-            # burst slows one call of each pass: the draft and lengths 1-2
-            # in the first pass, 3-4 in the second, 5 in the third.
-            burst = self.calls in (0, 4, 8)
+            # burst slows one or two calls of each pass: the draft and
+            # lengths 1-2 in the first two passes (so not even their median
+            # is fast), 3-4 in the second, 5 in the third.
+            burst = self.calls in (0, 3, 4, 8)
             self.costs = RoundCosts(
                 0.005 if burst else 0.002, [c * 2 if burst else c for c in fast]
             )

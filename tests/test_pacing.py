@@ -2,6 +2,7 @@
 and adaptive drafts, on injected cost curves (never this machine's speed)."""
 
 import itertools
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -83,12 +84,23 @@ class Clock:
 
 
 class MeasuringCostScheduler(TableCostScheduler):
-    """Costs that take a second of the clock whenever a round asks for
-    them, as measuring them on the live caches takes time."""
+    """Costs measured on the live caches whenever a round asks for them:
+    each measurement takes a second of the clock (waiting for the rounds in
+    flight, say), and the profile counts its ``timings``."""
 
-    def costs(self, depth, timer, most=None):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.measuring = SimpleNamespace(
+            timings=0, costs=self.measure, known=lambda depth, timer: self.table
+        )
+
+    def measure(self, depth, timer, most=None):
+        self.measuring.timings += 1
         self.clock.now += 1.0
-        return super().costs(depth, timer, most)
+        return self.table
+
+    def profile(self, timer):
+        return self.measuring
 
 
 @pytest.mark.parametrize("measuring", [False, True], ids=["measured", "measuring"])
@@ -101,8 +113,8 @@ def test_a_single_stream_parks_when_its_drafting_rounds_run_slower_than_measured
     decodes plainly and probes now and then (drafts would pay if all were
     accepted); the drafter's next generation parks from its first round.
     Untimed, the same generation keeps drafting. The output is the target's
-    either way. Time spent measuring costs counts for no round, also not
-    for a parked round in flight while the next one is chosen."""
+    either way. Time spent measuring costs counts for no round, and a parked
+    round in flight while the next one's choice measured is not observed."""
     model, drafter = trained("gemma4", "dflash")
     clock, propose = Clock(), drafter.propose
 
@@ -157,6 +169,29 @@ def test_a_single_stream_slower_than_measured_in_every_round_keeps_drafting(monk
     assert set(policy.overheads) == {(1, True), (1, False)}
     drafted = [r.proposed > 0 for r in stats.history]
     assert not all(drafted) and sum(drafted) >= 0.75 * len(drafted)
+
+
+def test_generations_advanced_in_turn_observe_their_own_rounds():
+    """Two generations of one drafter on one thread share its policy (what
+    it learnt), but not their rounds chosen and not yet read: a parked
+    round chosen ahead stays chosen across a yield, and the other
+    generation's round read meanwhile is observed against its own choice."""
+    clock = Clock()
+    scheduler = TableCostScheduler(None, 0.002, [0.010] + [0.012] * 15, clock=clock)
+    first = Pacing(scheduler, None, 6)
+    assert first.drafts(6, 100) > 0
+    second = Pacing(scheduler, None, 6)
+    assert second.policy is first.policy and second.drafts(0, 100) == 0
+    observed, observe = [], first.policy.observe
+
+    def recording(seconds):
+        observed.append(first.policy._chosen[0][1])
+        observe(seconds)
+
+    first.policy.observe = recording
+    second.update(0, 0)
+    first.update(6, 3)
+    assert observed[0] == 0 and observed[1] > 0
 
 
 def test_a_round_whose_confidences_verify_fewer_drafts_is_timed_against_those(monkeypatch):

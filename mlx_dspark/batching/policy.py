@@ -347,11 +347,13 @@ class BatchPolicy:
         self._shape = (batch, k)
         return k
 
-    def restart(self) -> None:
-        """A new generation of a single stream: a round chosen and never
-        observed (its generation ended between the two) is not the next
-        round observed."""
-        self._chosen.clear()
+    def restart(self, chosen: Optional[deque] = None) -> deque:
+        """A single stream's generation takes its turn: the rounds it chose
+        and has not observed (by default none, a new generation) are the
+        ones ``observe`` times next, not another generation's (it may have
+        ended between the two, or be advanced in turn with this one)."""
+        self._chosen = deque() if chosen is None else chosen
+        return self._chosen
 
     def _keeping(self, batch: int):
         """The drafts of the round before, where it had ``batch`` rows, and

@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, List, Optional
@@ -276,6 +276,7 @@ class CostProfile:
         self.max_age = max_age
         self.entries = self._read()
         self._partial = {}  # entry key -> the _Partial measurement under way
+        self.timings = 0  # calls that timed parts on the live caches
 
     def _read(self) -> dict:
         try:
@@ -329,15 +330,17 @@ class CostProfile:
         key = _entry_key(depth, batch)
         entry = self.entries.get(key)
         if not self._usable(entry, timer.verify_rows):
+            self.timings += 1
             if most is None:
-                self._partial.pop(key, None)
                 measured = timer()
             else:
-                under_way = self._partial.setdefault(key, _Partial())
+                # Kept only once a part is timed (a timing that fails leaves none).
+                under_way = self._under_way(key) or _Partial()
                 measured = under_way.go_on(timer, most)
                 if under_way.passes < REPEATS:
+                    self._partial[key] = under_way
                     return measured
-                del self._partial[key]
+            self._partial.pop(key, None)
             entry = dict(
                 draft=measured.draft,
                 verify=measured.verify,
@@ -355,8 +358,18 @@ class CostProfile:
         entry = self.entries.get(key)
         if self._usable(entry, timer.verify_rows):
             return RoundCosts(entry["draft"], entry["verify"])
-        under_way = self._partial.get(key)
+        under_way = self._under_way(key)
         return under_way and under_way.fastest
+
+    def _under_way(self, key: str) -> Optional["_Partial"]:
+        """The measurement under way for ``key``, unless it started longer
+        ago than a measurement stays fresh (then it is dropped: a server's
+        batch size that left would keep standing in with it)."""
+        under_way = self._partial.get(key)
+        if under_way is not None and not 0 <= time.time() - under_way.started <= self.max_age:
+            del self._partial[key]
+            return None
+        return under_way
 
     def measured_batches(self, depth: int, tokens: int) -> dict:
         """``{batch: RoundCosts}`` of the usable batch entries at ``depth``,
@@ -376,9 +389,10 @@ class CostProfile:
         """``{batch: RoundCosts}`` of the measurements at ``depth`` under way
         (see ``costs``' ``most``)."""
         found = {}
-        for key, under_way in self._partial.items():
+        for key in list(self._partial):
             batch, _, bucket = key.partition("x")
-            if bucket == str(depth_bucket(depth)):
+            under_way = self._under_way(key)
+            if bucket == str(depth_bucket(depth)) and under_way is not None:
                 found[int(batch)] = under_way.fastest
         return found
 
@@ -392,6 +406,7 @@ class _Partial:
     fastest: Optional[RoundCosts] = None
     passes: int = 0
     next_length: int = 1
+    started: float = field(default_factory=time.time)
 
     def go_on(self, timer: RoundTimer, most: int) -> RoundCosts:
         """Time the next ``most`` verify lengths of the pass (and the draft

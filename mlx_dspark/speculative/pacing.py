@@ -51,11 +51,15 @@ class Pacing:
         self.policy = scheduler.paced_policies.setdefault(
             (drafts, getattr(timer, "key", None), threading.get_ident()), BatchPolicy()
         )
-        self.policy.restart()
+        self._chosen = self.policy.restart()
         self.clock = scheduler.clock
-        self._began = deque()  # when each round chosen and not yet read was
-        self._read = None  # when the last round's verdict was read
-        self._overlapped = []  # the times of rounds read after their successor was chosen
+        # When each round chosen and not yet read was (``None``: not to be
+        # observed), when the last round's verdict was read, and the sum
+        # and count of the times of a run of rounds read after their
+        # successor was chosen.
+        self._began = deque()
+        self._read = None
+        self._overlapped = (0.0, 0)
 
     def drafts(self, cap: int, depth: int) -> int:
         """A round's drafts; at a depth not measured yet, it measures the
@@ -67,15 +71,17 @@ class Pacing:
         self.policy.costs = lambda _, depth: scheduler.costs(
             depth, timer, most=VERIFIES_MEASURED_PER_ROUND
         )
+        self.policy.restart(self._chosen)
         if self.clock is None:
             return self.policy.choose([self.acceptance.rates()], [cap], depth)
-        tic = self.clock()
+        profile = scheduler.profile(timer)
+        timings = getattr(profile, "timings", 0)
         drafts = self.policy.choose([self.acceptance.rates()], [cap], depth)
-        # Measuring costs is no round's time, also not a round's in flight.
-        measuring = self.clock() - tic
-        self._began = deque(began + measuring for began in self._began)
-        if self._read is not None:
-            self._read += measuring
+        if getattr(profile, "timings", 0) != timings:
+            # Costs were measured on the live caches, which waited for the
+            # rounds in flight: their times are not their own.
+            self._began = deque(None for _ in self._began)
+            self._read = None
         self._began.append(self.clock())
         return drafts
 
@@ -84,6 +90,7 @@ class Pacing:
         confidences chose fewer): its time is weighed against theirs."""
         known = self.scheduler.profile(self.timer).known(depth, self.timer)
         if known is not None:
+            self.policy.restart(self._chosen)
             self.policy.verifies(drafts, known.padded())
 
     def rows(self, tokens: int, depth: int) -> int:
@@ -96,16 +103,20 @@ class Pacing:
         the device did the two in turn)."""
         if self._began:
             began, read = self._began.popleft(), self.clock()
-            seconds = read - (began if self._read is None else max(began, self._read))
+            seconds = None
+            if began is not None:
+                seconds = read - (began if self._read is None else max(began, self._read))
             self._read = read
-            if self._began:
+            self.policy.restart(self._chosen)
+            if seconds is not None and self._began:
                 # Its successor was built while it ran, so the host's work
                 # for one fell in the other's time: a run of such rounds is
                 # observed at its mean so far.
-                self._overlapped.append(seconds)
-                seconds = sum(self._overlapped) / len(self._overlapped)
-            else:
-                self._overlapped = []
+                total, count = self._overlapped
+                self._overlapped = (total + seconds, count + 1)
+                seconds = self._overlapped[0] / self._overlapped[1]
+            elif not self._began:
+                self._overlapped = (0.0, 0)
             self.policy.observe(seconds)
         self.acceptance.update(verified, accepted)
         self.recent.update(verified, accepted)
