@@ -68,3 +68,12 @@ def offline_hub(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     return tmp_path
+
+
+@pytest.fixture
+def frequent_probes(monkeypatch):
+    """A parked policy probes every ``REPROBE_EVERY`` rounds, whatever its
+    probes lose (for tests of what a probe does, not of how often)."""
+    from mlx_dspark.batching import policy
+
+    monkeypatch.setattr(policy, "PROBE_SHARE", float("inf"))

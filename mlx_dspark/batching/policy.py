@@ -58,9 +58,20 @@ from typing import Callable, List, Optional, Sequence, Union
 
 from ..confidence.costs import RoundCosts
 
-# Every this many rounds at k = 0, one round drafts again: acceptance
-# changes over a conversation, and a parked policy learns nothing new.
+# Every this many rounds at k = 0 at least, one round drafts again:
+# acceptance changes over a conversation, and a parked policy learns
+# nothing new.
 REPROBE_EVERY = 16
+
+# A probe costs what its rounds lose against plain ones, so a parked policy
+# probes every ``REPROBE_EVERY`` rounds times the least power of two (up to
+# ``REPROBE_AT_MOST`` rounds) that keeps that loss within this share of the
+# parked rounds' time. (On the H200 at 12B shapes a 4-bit target's drafting
+# round took 4-5 plain rounds' time; probing every 16 rounds, a single
+# stream at tau 1.5 served 0.65x of plain decoding.) Powers of two, so that
+# a longer interval's probes fall where a shorter one's do.
+PROBE_SHARE = 0.03
+REPROBE_AT_MOST = 16 * REPROBE_EVERY
 
 # A probe lasts this many rounds where rounds' times are observed and the
 # probed kind was timed before (else ``LEARNING_ROUNDS``): its first
@@ -254,10 +265,20 @@ def confident_drafts(
     return best_k
 
 
-def _probing(rounds: int, length: int) -> bool:
+def _probing(rounds: int, length: int, every: int = REPROBE_EVERY) -> bool:
     """Whether the ``rounds``-th round of a kind is part of a probe of the
-    other kind: the first ``length`` of every ``REPROBE_EVERY``."""
-    return rounds >= REPROBE_EVERY and rounds % REPROBE_EVERY < length
+    other kind: the first ``length`` of every ``every``."""
+    return rounds >= every and rounds % every < length
+
+
+def reprobe_every(loss: float, plain: float, length: int) -> int:
+    """Parked rounds of ``plain`` seconds from one probe of ``length``
+    rounds, each ``loss`` seconds slower than plain rounds would have been,
+    to the next (see ``PROBE_SHARE``)."""
+    every = REPROBE_EVERY
+    while every < REPROBE_AT_MOST and length * loss > PROBE_SHARE * every * plain:
+        every *= 2
+    return every
 
 
 def _nearest(sizes, batch: int) -> Optional[int]:
@@ -340,8 +361,14 @@ class BatchPolicy:
             # every draft were accepted; none would: nothing to learn.
             hopeful = best_drafts([[1.0] * max(caps)] * len(caps), caps, costs)
             self.parked += 1
-            if hopeful and _probing(self.parked, self._probe_rounds(batch)):
-                k = hopeful
+            if hopeful:
+                length = self._probe_rounds(batch)
+                # What a probe round loses, at the acceptance the policy parked on.
+                tokens = sum(expected_tokens(r, min(hopeful, c)) for r, c in zip(rates, caps))
+                plain = costs.verify[0]
+                loss = costs.verify[hopeful] + costs.draft - tokens * plain / len(caps)
+                if _probing(self.parked, length, reprobe_every(loss, plain, length)):
+                    k = hopeful
         predicted = measured.verify[k] + (measured.draft if k else 0.0)
         self._chosen.append((batch, k, k > 0, predicted))
         self._shape = (batch, k)
@@ -484,10 +511,13 @@ class BatchPolicy:
         if self._seen[batch, drafts] <= WARM_ROUNDS:
             return
         kind = (batch, drafted)
-        # A shortfall is no overhead: the measurements' noise, or, read to
-        # read, a pipelined round that started while the one before it was
-        # being read.
-        excess = max(0.0, seconds - predicted)
+        # A drafting round's shortfall is no overhead: the measurements'
+        # noise. A plain round's can be real: built while the round before
+        # it ran (as mlx-lm's plain decoding pipelines its steps), it is
+        # timed from that round's read, and its building is hidden, where
+        # the measured costs time each forward built and run in turn. Two
+        # pieces of work overlapped take at least half their sum.
+        excess = max(0.0 if drafted else -predicted / 2, seconds - predicted)
         if before not in (None, (batch, drafts)) and kind in self.overheads:
             # The round changed the shape: what the change cost here.
             # Not the kind's overhead: where most rounds change the shape,
