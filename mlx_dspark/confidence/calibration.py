@@ -196,6 +196,10 @@ def drafter_fingerprint(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+# The settings ``user_cache_dir`` depends on.
+CACHE_SETTINGS = ("MLX_DSPARK_CACHE", "XDG_CACHE_HOME", "HOME")
+
+
 def user_cache_dir() -> Path:
     """Where mlx-dspark keeps calibrations and verify-cost profiles:
     ``$MLX_DSPARK_CACHE``, else ``$XDG_CACHE_HOME/mlx_dspark``, else

@@ -17,12 +17,13 @@ not on anything computed from draft k or later. Both confidence rules decide
 position by position and stop at the first refusal.
 """
 
+import os
 import time
 import warnings
 import weakref
 from typing import Callable, List, Optional, Sequence
 
-from .calibration import Calibration, sigmoid, survival
+from .calibration import CACHE_SETTINGS, Calibration, sigmoid, survival
 from .costs import CostProfile, RoundCosts, RoundTimer, profile_path
 
 
@@ -115,6 +116,7 @@ class CostScheduler:
         self.needs_confidence = temperatures is not None
         self.cache_profiles = cache_profiles
         self.profiles = {}
+        self._keys = {}  # (timer key, cache settings) -> key in ``profiles``
         # Drafts per round -> the drafter's recent acceptance by position
         # over the generations it paced (``speculative.pacing``); (drafts
         # per round, thread) -> the policy that paced them, with the rounds'
@@ -126,10 +128,15 @@ class CostScheduler:
     def profile(self, timer: RoundTimer) -> CostProfile:
         # By file, not by key alone: a scheduler lives as long as its drafter,
         # and the cache folder (``MLX_DSPARK_CACHE``) may change meanwhile.
-        path = profile_path(timer.key) if self.cache_profiles else None
-        key = path or timer.key
+        # Rounds look it up several times each, and working out the folder
+        # took a parked round's pacing half its time: once per setting.
+        where = (timer.key, *(os.environ.get(name) for name in CACHE_SETTINGS))
+        key = self._keys.get(where)
+        if key is None:
+            path = profile_path(timer.key) if self.cache_profiles else None
+            key = self._keys[where] = path or timer.key
         if key not in self.profiles:
-            self.profiles[key] = CostProfile(path)
+            self.profiles[key] = CostProfile(key if self.cache_profiles else None)
         return self.profiles[key]
 
     def costs(self, depth: int, timer: RoundTimer, most: Optional[int] = None) -> RoundCosts:

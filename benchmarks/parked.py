@@ -1,0 +1,168 @@
+"""What a parked round (a speculative generation's round without drafts)
+costs against mlx-lm's plain decoding step, and where the difference goes.
+
+A generation whose drafts do not pay decodes plainly inside the speculative
+engine. It is never slower than plain decoding only if such a round is no
+slower than mlx-lm's ``generate_step``. Each variant decodes
+``--max-tokens`` tokens after a ``--context``-token prompt, pipelined as
+``generate_step`` pipelines (the next step built and started before the
+current token is read), and adds one piece of the engine's round at a time:
+
+- ``stock``: ``generate_step`` itself;
+- ``rollback caches``: the model's own forward on the target's rollback caches;
+- ``tapped``: the target adapter's forward with the drafter's taps;
+- ``committed``: and the drafter taking in the taps;
+- ``engine``: ``speculative_generate_step`` with every round parked;
+- ``engine, cost``: under the ``cost`` scheduler, drafts never accepted
+  (replayed): its pacing parks, and probes now and then.
+
+Variants run in turn, ``--passes`` times (so drift spreads over all of
+them); each reports its median tokens per second and its ratio to ``stock``
+in the same pass.
+
+    python benchmarks/parked.py --target-bits 4 --drafter assistant --context 2048
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+import mlx_dspark
+from mlx_dspark.speculative import engine
+from mlx_dspark.speculative.pacing import FixedPacing
+
+import shapes
+from speculative import replayed_acceptance
+from timing import backend
+
+
+class Parked(FixedPacing):
+    """Every round without drafts."""
+
+    def drafts(self, cap: int, depth: int) -> int:
+        return 0
+
+
+def pipelined(step, first, max_tokens):
+    """``generate_step``'s loop: the next step is built and started before
+    the current token is read."""
+    y = first
+    mx.async_eval(y)
+    for n in range(max_tokens):
+        if n + 1 < max_tokens:
+            next_y = step(y)
+            mx.async_eval(next_y)
+        yield y.item()
+        if n + 1 < max_tokens:
+            y = next_y
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", type=int, default=1)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--target-bits", type=int, default=16)
+    parser.add_argument("--drafter", choices=["dspark", "assistant"], default="assistant")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    mx.random.seed(0)
+    model = shapes.make_target(args.scale, bits=None if args.target_bits == 16 else args.target_bits)
+    drafter = (
+        shapes.make_assistant(args.scale)
+        if args.drafter == "assistant"
+        else shapes.make_drafter(args.scale)
+    )
+    target = engine.adapt_target(model, drafter)
+    rows = drafter.block_size + 1
+    prompt = mx.random.randint(5, model.args.vocab_size, (args.context,)).astype(mx.uint32)
+
+    def greedy(logits):
+        return mx.argmax(logits[:, -1], axis=-1).astype(mx.uint32)
+
+    def stock():
+        return (int(t) for t, _ in generate_step(prompt, model, max_tokens=args.max_tokens))
+
+    def on_caches(tapped: bool, committed: bool):
+        target_cache, draft_cache = target.make_cache(rows), drafter.make_cache()
+        taps = drafter.taps if tapped else ()
+        out = target(prompt[None], target_cache, drafter.taps)
+        drafter.commit(draft_cache, out.hidden)
+        mx.eval([c.state for c in target_cache + draft_cache])
+
+        def step(y):
+            if not tapped:
+                return greedy(model(y[None], cache=target_cache))
+            out = target(y[None], target_cache, taps)
+            if committed:
+                drafter.commit(draft_cache, out.hidden)
+            return greedy(out.logits)
+
+        return pipelined(step, greedy(out.logits), args.max_tokens)
+
+    def parked():
+        steps = mlx_dspark.speculative_generate_step(
+            prompt, model, drafter, max_tokens=args.max_tokens, scheduler="fixed"
+        )
+        return (int(t) for t, _, _ in steps)
+
+    def paced():
+        with replayed_acceptance(1.0, drafter.block_size):
+            steps = mlx_dspark.speculative_generate_step(
+                prompt, model, drafter, max_tokens=args.max_tokens, scheduler="cost"
+            )
+            yield from (int(t) for t, _, _ in steps)
+
+    variants = {
+        "stock": stock,
+        "rollback caches": lambda: on_caches(False, False),
+        "tapped": lambda: on_caches(True, False),
+        "committed": lambda: on_caches(True, True),
+        "engine": parked,
+        "engine, cost": paced,
+    }
+    speeds = {name: [] for name in variants}
+    pacing_for = engine.pacing_for
+    engine.pacing_for = lambda scheduler, *args: (
+        Parked() if scheduler.name == "fixed" else pacing_for(scheduler, *args)
+    )
+    try:
+        for i in range(args.passes + 1):
+            for name, steps in variants.items():
+                tokens, first = 0, None
+                for _ in steps():
+                    tokens += 1
+                    if first is None:
+                        first = time.perf_counter()
+                if i:  # the first pass warms up
+                    speeds[name].append((tokens - 1) / (time.perf_counter() - first))
+    finally:
+        engine.pacing_for = pacing_for
+    report = {
+        "drafter": args.drafter,
+        "target_bits": args.target_bits,
+        "context": args.context,
+        "max_tokens": args.max_tokens,
+        "backend": backend(),
+        "mlx": mx.__version__,
+        "shapes": f"gemma-4-12b/{args.scale}",
+        "tok_s": {name: round(statistics.median(s), 2) for name, s in speeds.items()},
+        "x_stock": {
+            name: round(statistics.median(a / b for a, b in zip(s, speeds["stock"])), 3)
+            for name, s in speeds.items()
+        },
+    }
+    print(json.dumps(report))
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(report) + "\n")
+
+
+if __name__ == "__main__":
+    main()
