@@ -424,6 +424,20 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "pipelined_plain_rounds"),
     ),
     Mutant(
+        "a plain round's shortfall learnt elsewhere may exceed half of one here",
+        "mlx_dspark/batching/policy.py",
+        "        plain = max(plain, -costs.verify[0] / 2)\n",
+        "",
+        ("tests/test_batching.py", "-k", "shortfall_learnt_elsewhere"),
+    ),
+    Mutant(
+        "a probe's interval is re-weighed within the probe",
+        "mlx_dspark/batching/policy.py",
+        "                if not _probing(self.parked, length, self._reprobe):",
+        "                if True:",
+        ("tests/test_batching.py", "-k", "whatever_its_first_round"),
+    ),
+    Mutant(
         "a parked policy probes every 16 rounds whatever its probes lose",
         "mlx_dspark/batching/policy.py",
         "    while every < REPROBE_AT_MOST and length * loss > PROBE_SHARE * every * plain:",

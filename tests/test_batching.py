@@ -1565,6 +1565,34 @@ def test_pipelined_plain_rounds_faster_than_measured_make_plain_decoding_cheaper
     assert policy.overheads[1, False] == pytest.approx(-0.0075)
 
 
+def test_a_plain_shortfall_learnt_elsewhere_is_at_most_half_of_a_plain_round():
+    """A plain round's shortfall is learnt in seconds at one depth (or batch
+    size) and added where a plain round measures less: never more than half
+    of that round's cost there, so plain decoding never looks free (on a
+    shortfall larger than the round, a policy drafted at no acceptance at
+    all, and never ran a plain round to learn better)."""
+    deep, shallow = RoundCosts(0.005, [0.030] + [0.040] * 4), RoundCosts(0.005, [0.012] + [0.040] * 4)
+    policy = BatchPolicy(lambda batch, depth: deep if depth > 1000 else shallow)
+    policy.overheads = {(1, True): 0.0, (1, False): -0.015}  # learnt deep
+    assert policy.realised(deep, 1).verify[0] == pytest.approx(0.015)
+    assert policy.realised(shallow, 1).verify[0] == pytest.approx(0.006)
+    assert policy.choose([[0.0] * 4], [4], 100) == 0
+
+
+def test_a_probe_lasts_its_rounds_whatever_its_first_round_accepted():
+    """Parked at an acceptance where probes come every 64 rounds, a probe's
+    first round accepting little (which would space probes further apart)
+    does not cut the probe short: its first round changes the round's
+    shape, and only its second tells what drafting costs."""
+    costs = RoundCosts(draft=0.005, verify=[0.010] + [0.030] * 4)
+    policy = BatchPolicy(lambda batch, depth: costs)
+    policy.observe(None)  # rounds are timed
+    policy.overheads = {(1, True): 0.0, (1, False): 0.0}
+    choices = [policy.choose([[0.66] * 4], [4], 100) for _ in range(64)]
+    assert [i for i, k in enumerate(choices) if k] == [63]
+    assert policy.choose([[0.3] * 4], [4], 100) == 4
+
+
 @given(
     loss=st.floats(-0.1, 1.0),
     plain=st.floats(0.001, 0.1),

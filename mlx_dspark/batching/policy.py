@@ -325,6 +325,7 @@ class BatchPolicy:
         self._observed_shape = None
         self._keep = (None, 0.0)
         self._was_parked = None
+        self._reprobe = REPROBE_EVERY  # the parked rounds from one probe to the next
         self._observed = False  # whether rounds' times are observed at all
 
     def choose(
@@ -363,11 +364,15 @@ class BatchPolicy:
             self.parked += 1
             if hopeful:
                 length = self._probe_rounds(batch)
-                # What a probe round loses, at the acceptance the policy parked on.
-                tokens = sum(expected_tokens(r, min(hopeful, c)) for r, c in zip(rates, caps))
-                plain = costs.verify[0]
-                loss = costs.verify[hopeful] + costs.draft - tokens * plain / len(caps)
-                if _probing(self.parked, length, reprobe_every(loss, plain, length)):
+                if not _probing(self.parked, length, self._reprobe):
+                    # What a probe round loses, at the acceptance the policy
+                    # parked on. (Not re-weighed within a probe, which its
+                    # first round's acceptance would otherwise cut short.)
+                    tokens = sum(expected_tokens(r, min(hopeful, c)) for r, c in zip(rates, caps))
+                    plain = costs.verify[0]
+                    loss = costs.verify[hopeful] + costs.draft - tokens * plain / len(caps)
+                    self._reprobe = reprobe_every(loss, plain, length)
+                if _probing(self.parked, length, self._reprobe):
                     k = hopeful
         predicted = measured.verify[k] + (measured.draft if k else 0.0)
         self._chosen.append((batch, k, k > 0, predicted))
@@ -463,6 +468,9 @@ class BatchPolicy:
         batch size's) really took beyond them added, with drafts (to the
         drafter's cost, which every drafting round pays) and without."""
         drafting, plain = self._overheads(batch)
+        # A plain round's shortfall (see ``observe``) was learnt at another
+        # depth or batch size, maybe: never more than half of this one's.
+        plain = max(plain, -costs.verify[0] / 2)
         return RoundCosts(
             draft=costs.draft + drafting,
             verify=[costs.verify[0] + plain] + list(costs.verify[1:]),

@@ -246,11 +246,13 @@ def fastest_seconds(
 
 
 def live_timer(
-    model, drafter, target, target_cache, draft_cache, drafts, anchor, rows=None
+    model, drafter, target, target_cache, draft_cache, drafts, anchor, rows=None,
+    catch_up=None,
 ) -> RoundTimer:
     """A ``RoundTimer`` on one sequence's live caches: verifies (of up to
     ``rows`` tokens) repeat the current ``anchor()`` and are rolled back,
-    drafts propose ``drafts``."""
+    drafts propose ``drafts``, after ``catch_up()`` (the drafter takes in
+    what it has yet to)."""
 
     def verify(n):
         tokens = mx.repeat(anchor().reshape(1), n)[None]
@@ -260,6 +262,8 @@ def live_timer(
         return out.logits, out.hidden
 
     def draft():
+        if catch_up is not None:
+            catch_up()
         proposal = drafter.propose(
             draft_cache, anchor(), drafts, target=target, target_cache=target_cache
         )

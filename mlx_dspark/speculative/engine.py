@@ -218,6 +218,7 @@ def speculative_generate_step(
         num_draft_tokens,
         lambda: anchor,
         rows,
+        lambda: take_in_parked_taps(),
     )
     pacing = pacing_for(scheduler, timer, num_draft_tokens)
 
@@ -271,10 +272,10 @@ def speculative_generate_step(
             )
             for c in target_cache:
                 c.trim(padding)
+            mx.async_eval(log_probs, tokens)
             parked_taps.append([h[:, :1] for h in out.hidden])
             if len(parked_taps) == PARKED_TAPS_AT_MOST:
                 take_in_parked_taps()
-            mx.async_eval(log_probs, tokens)
             return log_probs, tokens[:1]
 
         def take_in_parked_taps():
@@ -284,8 +285,8 @@ def speculative_generate_step(
             target's plain decoding a tenth of its speed on an H200."""
             if parked_taps:
                 hidden = [mx.concatenate(taps, axis=1) for taps in zip(*parked_taps)]
-                parked_taps.clear()
                 drafter.commit(draft_cache, hidden, None)
+                parked_taps.clear()
                 mx.async_eval([c.state for c in draft_cache])
 
         try:
