@@ -326,13 +326,60 @@ def test_batched_schedule_admits_request_prefixes_by_confidence(requests, rates)
     assert all(0 <= n <= len(row) for row, n in zip(survival_by_request, lengths))
     if admitted and refused:
         assert min(admitted) >= max(refused)
-    # Each admission improved the expected throughput over the one before.
+
+    def best_with(expected, tokens, row, j):
+        """The best throughput admitting draft j of ``row`` and m - 1 more
+        of its drafts, each surviving at draft j's conditional rate ``c``."""
+        c = row[j - 1] / (row[j - 2] if j > 1 else 1.0)
+        return max(
+            (expected + row[j - 1] * sum(c**i for i in range(m))) * rate(tokens + m)
+            for m in range(1, len(row) - j + 2)
+        )
+
+    # Each admission could raise the expected throughput; the first draft
+    # refused (the likeliest left) could not.
+    order = sorted(
+        (-row[j - 1], j, r)
+        for r, (row, n) in enumerate(zip(survival_by_request, lengths))
+        for j in range(1, len(row) + 1)
+        if row[j - 1] > 0
+    )
     tokens, expected = len(requests), float(len(requests))
-    best = expected * rate(tokens)
-    for a in sorted(admitted, reverse=True):
-        tokens, expected = tokens + 1, expected + a
-        assert expected * rate(tokens) > best
-        best = expected * rate(tokens)
+    for _, j, r in order:
+        row = survival_by_request[r]
+        could = best_with(expected, tokens, row, j) > expected * rate(tokens)
+        assert could == (j <= lengths[r])
+        if not could:
+            break
+        tokens, expected = tokens + 1, expected + row[j - 1]
+
+
+# A 4-bit 12B target's verify costs on an H200 (1-16 rows, with a draft).
+CLIFF = RoundCosts(
+    0.0045,
+    [0.010, 0.0232, 0.0295, 0.0393, 0.0433, 0.0501, 0.0561, 0.0292]
+    + [0.0293, 0.0295, 0.0298, 0.0300, 0.0302, 0.0303, 0.0304, 0.0306],
+)
+
+
+def test_a_verify_cliff_is_crossed_where_the_drafts_past_it_pay():
+    """A 4-bit 12B target on an H200: one row 10 ms, two to seven rows
+    23-56 ms, eight and more 29-31 ms; verifies padded to where cheaper.
+    Confident drafts (each kept at 0.83) pay at seven and never at one: the
+    schedule crosses the cliff where the rule stopping at the first draft
+    that does not pay verified none (and the round paid for its drafts for
+    nothing)."""
+    padded = CLIFF.padded()
+    survival = np.cumprod([0.83] * 7).tolist()
+    assert prefix_schedule([survival], padded.rounds_per_second) == [7]
+    # Drafts nobody believes in stay unverified.
+    unsure = np.cumprod([0.15] * 7).tolist()
+    assert prefix_schedule([unsure], padded.rounds_per_second) == [0]
+    # A confident first draft and then a collapse: the first is verified
+    # on what it says of the drafts after it, and the schedule stops at the
+    # collapse.
+    collapse = np.cumprod([0.9, 0.01, 1.0, 1.0, 1.0, 1.0, 1.0]).tolist()
+    assert prefix_schedule([collapse], padded.rounds_per_second) == [1]
 
 
 def test_prefix_schedule_refuses_survival_that_grows():
@@ -353,12 +400,15 @@ def retrospective_schedule(survival_by_position, rate):
 APPENDIX_A_RATES = {1: 1.0, 2: 0.5, 3: 0.45}
 
 
-@pytest.mark.parametrize("c2, retrospective", [(0.9, 2), (0.0, 0)])
+@pytest.mark.parametrize("c2, causal, retrospective", [(0.9, 2, 2), (0.0, 1, 0)])
 def test_appendix_a_causal_scheduler_stops_where_the_retrospective_one_peeks(
-    c2, retrospective
+    c2, causal, retrospective
 ):
+    """Whether draft 1 is verified: the causal schedule decides it on c1
+    alone (and what c1 says of the drafts after it), the retrospective one
+    on c2 too."""
     a = [0.8, 0.8 * c2]
-    assert prefix_schedule([a], APPENDIX_A_RATES.get) == [0]
+    assert prefix_schedule([a], APPENDIX_A_RATES.get) == [causal]
     assert retrospective_schedule(a, APPENDIX_A_RATES.get) == retrospective
 
 
@@ -474,6 +524,29 @@ def test_cost_profiles_are_measured_once_per_depth_and_kept_on_disk(tmp_path):
     assert timer.calls == 3
     CostProfile(path).costs(300, CountingTimer(0.002, [0.01] * 6))
     assert len(json.loads(path.read_text())["512"]["verify"]) == 6
+
+
+def test_a_depth_near_its_buckets_end_takes_the_next_buckets_costs(tmp_path):
+    """A generation that starts just below a bucket's end (a prompt of 2048
+    tokens: one round at depth 2048, the rest past it) leaves the bucket at
+    once; measuring it across rounds stalled one round of each such
+    generation. Near the end, an unmeasured bucket takes the next one's
+    costs where they are measured, and measures nothing."""
+    timer = CountingTimer(0.002, [0.01, 0.011, 0.012, 0.013, 0.014])
+    profile = CostProfile(tmp_path / "profile.json")
+    near = 2048 - costs_module.NEAR_BUCKET_END + 1
+    profile.costs(near, timer, most=2)  # nothing measured anywhere: measures here
+    assert timer.calls == 1 and "2048" in profile._partial
+    for _ in range(3 * costs_module.REPEATS):
+        profile.costs(2049, timer, most=2)
+    calls = timer.calls
+    assert profile.known(near, timer) == profile.costs(near, timer, most=2) == timer.costs
+    assert profile.known(2048, timer) == timer.costs
+    assert timer.calls == calls
+    # Further from the end, the bucket's own costs are measured.
+    profile.costs(near - 1, timer, most=2)
+    assert timer.calls == calls + 1
+    assert profile.known(near - 1, timer) == RoundCosts(0.002, [0.01, 0.011, 0.012, 0.013])
 
 
 def test_a_profile_measured_a_few_verifies_at_a_time_is_the_whole_measurement(tmp_path):
