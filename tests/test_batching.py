@@ -1579,6 +1579,38 @@ def test_a_plain_shortfall_learnt_elsewhere_is_at_most_half_of_a_plain_round():
     assert policy.choose([[0.0] * 4], [4], 100) == 0
 
 
+def test_a_policy_that_saw_slow_plain_rounds_does_not_draft_at_no_acceptance():
+    """Plain rounds that once ran slow (a process's first rounds) leave a
+    plain overhead larger than a drafting round's; a drafting policy never
+    runs plain rounds to learn better. A plain round's host work being part
+    of a drafting round's, its overhead counts at most the drafting one's:
+    at no acceptance the policy parks."""
+    costs = RoundCosts(draft=0.004, verify=[0.015] + [0.033] * 7)
+    policy = BatchPolicy(lambda batch, depth: costs)
+    policy.overheads = {(1, True): 0.003, (1, False): 0.030}
+    assert policy.realised(costs, 1).verify[0] == pytest.approx(0.018)
+    assert policy.choose([[0.03] * 7], [7], 100) == 0
+    # Where drafting pays, it drafts.
+    assert policy.choose([[0.8] * 7], [7], 100) == 7
+
+
+@given(
+    drafting=st.floats(-0.05, 0.1),
+    plain=st.floats(-0.05, 0.1),
+    verify=st.lists(st.floats(0.001, 0.1), min_size=2, max_size=8),
+)
+def test_a_plain_round_never_looks_dearer_beyond_its_forward_than_a_drafting_one(
+    drafting, plain, verify
+):
+    costs = RoundCosts(0.004, verify)
+    policy = BatchPolicy(lambda batch, depth: costs)
+    policy.overheads = {(1, True): drafting, (1, False): plain}
+    realised = policy.realised(costs, 1)
+    added_plain = realised.verify[0] - costs.verify[0]
+    assert added_plain <= max(realised.draft - costs.draft, -costs.verify[0] / 2) + 1e-12
+    assert realised.verify[1:] == costs.verify[1:]
+
+
 def test_a_probe_lasts_its_rounds_whatever_its_first_round_accepted():
     """Parked at an acceptance where probes come every 64 rounds, a probe's
     first round accepting little (which would space probes further apart)
@@ -1900,6 +1932,21 @@ def test_a_drafted_round_verifies_the_positions_that_pay():
     one_sure_row = [[0.95, 0.2, 0.1, 0.05], [0.95] * 4]
     assert confident_drafts(one_sure_row, [4, 1], rising) == 1
     assert confident_drafts(one_sure_row, [4, 4], rising) == 2
+
+
+def test_a_drafted_round_crosses_a_verify_cliff_where_the_positions_past_it_pay():
+    """One sequence on a 4-bit 12B target (an H200): 2-7 rows per sequence
+    cost far more than 1 and 8 hardly more than 7. Confident drafts are all
+    verified, where stopping at the first position that does not pay
+    verified none; unconfident ones none."""
+    cliff = RoundCosts(
+        0.0045, [0.010, 0.0232, 0.0295, 0.0393, 0.0433, 0.0501, 0.0561, 0.0292, 0.0293]
+    )
+    sure = [np.cumprod([0.83] * 7).tolist()]
+    assert confident_drafts(sure, [7], cliff) == 7
+    assert confident_drafts([np.cumprod([0.15] * 7).tolist()], [7], cliff) == 0
+    # Capped at one draft, no cliff is crossed.
+    assert confident_drafts(sure, [1], cliff) == 0
 
 
 def test_a_drafted_round_that_verifies_none_pays_one_overhead():

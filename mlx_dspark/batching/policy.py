@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Union
 
 from ..confidence.costs import RoundCosts
+from ..confidence.schedulers import survival_ahead
 
 # Every this many rounds at k = 0 at least, one round drafts again:
 # acceptance changes over a conversation, and a parked policy learns
@@ -251,18 +252,28 @@ def confident_drafts(
     is sequence ``b``'s predicted chance that its drafts ``1..j`` all
     survive, and the drafts are already paid for. Extends the verify by one
     position for every sequence that has it while the round's expected
-    tokens per second strictly rise, and stops at the first position that
-    does not raise them (so position ``j``'s fate depends on positions up to
-    ``j`` only)."""
+    tokens per second rise, or would with the positions after it (each
+    sequence's predicted by ``survival_ahead``, which crosses a verify's
+    cost cliff), and stops at the first position that would not (so
+    position ``j``'s fate depends on positions up to ``j`` only)."""
+    top = min(max(caps, default=0), len(costs.verify) - 1)
     tokens = float(len(caps))
-    best_k, best_rate = 0, tokens / (costs.draft + costs.verify[0])
-    for j in range(1, min(max(caps, default=0), len(costs.verify) - 1) + 1):
-        tokens += sum(s[j - 1] for s, cap in zip(survival, caps) if cap >= j)
-        rate = tokens / (costs.draft + costs.verify[j])
-        if rate <= best_rate:
+    k, current = 0, tokens / (costs.draft + costs.verify[0])
+    for j in range(1, top + 1):
+        ahead = [0.0] * (top - j + 1)  # expected tokens at positions j..top
+        for row, cap in zip(survival, caps):
+            if cap >= j:
+                for i, a in enumerate(survival_ahead(row, j, min(cap, top))):
+                    ahead[i] += a
+        reachable = max(
+            (tokens + sum(ahead[:m])) / (costs.draft + costs.verify[j + m - 1])
+            for m in range(1, len(ahead) + 1)
+        )
+        if reachable <= current:
             break
-        best_k, best_rate = j, rate
-    return best_k
+        tokens += ahead[0]
+        k, current = j, tokens / (costs.draft + costs.verify[j])
+    return k
 
 
 def _probing(rounds: int, length: int, every: int = REPROBE_EVERY) -> bool:
@@ -468,6 +479,12 @@ class BatchPolicy:
         batch size's) really took beyond them added, with drafts (to the
         drafter's cost, which every drafting round pays) and without."""
         drafting, plain = self._overheads(batch)
+        # A plain round's host work is part of a drafting round's: more
+        # overhead than that is a few slow rounds, which a drafting policy
+        # would not run again to learn better. (On an H200 a 4-bit 12B
+        # stream whose first plain rounds were slow drafted for 250 rounds
+        # at no acceptance at all, at half plain decoding's speed.)
+        plain = min(plain, drafting)
         # A plain round's shortfall (see ``observe``) was learnt at another
         # depth or batch size, maybe: never more than half of this one's.
         plain = max(plain, -costs.verify[0] / 2)
