@@ -61,6 +61,20 @@ def pipelined(step, first, max_tokens):
             y = next_y
 
 
+def _spread(gaps):
+    """Quantiles of the times between tokens (ms), and the share of the
+    total time in gaps over twice the median."""
+    ordered = sorted(gaps)
+    median = ordered[len(ordered) // 2]
+    return {
+        "p10": round(1e3 * ordered[len(ordered) // 10], 2),
+        "p50": round(1e3 * median, 2),
+        "p90": round(1e3 * ordered[9 * len(ordered) // 10], 2),
+        "max": round(1e3 * ordered[-1], 2),
+        "stalled": round(sum(g for g in gaps if g > 2 * median) / sum(gaps), 3),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=int, default=1)
@@ -69,6 +83,7 @@ def main():
     parser.add_argument("--drafter", choices=["dspark", "assistant"], default="assistant")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument("--variants", nargs="+", help="a subset of the variants (stock always runs)")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -127,7 +142,12 @@ def main():
         "engine": parked,
         "engine, cost": paced,
     }
+    if args.variants:
+        variants = {n: v for n, v in variants.items() if n == "stock" or n in args.variants}
     speeds = {name: [] for name in variants}
+    # Each token's time after the one before it, over every pass: a slow
+    # variant's loss is either spread over its rounds or in a few stalls.
+    gaps = {name: [] for name in variants}
     pacing_for = engine.pacing_for
     engine.pacing_for = lambda scheduler, *args: (
         Parked() if scheduler.name == "fixed" else pacing_for(scheduler, *args)
@@ -135,13 +155,10 @@ def main():
     try:
         for i in range(args.passes + 1):
             for name, steps in variants.items():
-                tokens, first = 0, None
-                for _ in steps():
-                    tokens += 1
-                    if first is None:
-                        first = time.perf_counter()
+                times = [time.perf_counter() for _ in steps()]
                 if i:  # the first pass warms up
-                    speeds[name].append((tokens - 1) / (time.perf_counter() - first))
+                    speeds[name].append((len(times) - 1) / (times[-1] - times[0]))
+                    gaps[name].extend(b - a for a, b in zip(times, times[1:]))
     finally:
         engine.pacing_for = pacing_for
     report = {
@@ -153,6 +170,7 @@ def main():
         "mlx": mx.__version__,
         "shapes": f"gemma-4-12b/{args.scale}",
         "tok_s": {name: round(statistics.median(s), 2) for name, s in speeds.items()},
+        "token_ms": {name: _spread(g) for name, g in gaps.items()},
         "x_stock": {
             name: round(statistics.median(a / b for a, b in zip(s, speeds["stock"])), 3)
             for name, s in speeds.items()
