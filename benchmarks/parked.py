@@ -75,6 +75,12 @@ def _spread(gaps):
     }
 
 
+def _stalls(gaps, over=2.5):
+    """``[token index, ms]`` of the gaps over ``over`` times the median."""
+    median = sorted(gaps)[len(gaps) // 2]
+    return [[i, round(1e3 * g, 1)] for i, g in enumerate(gaps) if g > over * median]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=int, default=1)
@@ -127,10 +133,14 @@ def main():
         )
         return (int(t) for t, _, _ in steps)
 
+    paced_stats = mlx_dspark.SpeculativeStats(drafter.name, drafter.block_size)
+
     def paced():
+        paced_stats.history.clear()
         with replayed_acceptance(1.0, drafter.block_size):
             steps = mlx_dspark.speculative_generate_step(
-                prompt, model, drafter, max_tokens=args.max_tokens, scheduler="cost"
+                prompt, model, drafter, max_tokens=args.max_tokens, scheduler="cost",
+                stats=paced_stats,
             )
             yield from (int(t) for t, _, _ in steps)
 
@@ -146,8 +156,10 @@ def main():
         variants = {n: v for n, v in variants.items() if n == "stock" or n in args.variants}
     speeds = {name: [] for name in variants}
     # Each token's time after the one before it, over every pass: a slow
-    # variant's loss is either spread over its rounds or in a few stalls.
+    # variant's loss is either spread over its rounds or in a few stalls,
+    # which the last pass lists (token index, ms).
     gaps = {name: [] for name in variants}
+    stalls = {}
     pacing_for = engine.pacing_for
     engine.pacing_for = lambda scheduler, *args: (
         Parked() if scheduler.name == "fixed" else pacing_for(scheduler, *args)
@@ -159,6 +171,7 @@ def main():
                 if i:  # the first pass warms up
                     speeds[name].append((len(times) - 1) / (times[-1] - times[0]))
                     gaps[name].extend(b - a for a, b in zip(times, times[1:]))
+                    stalls[name] = _stalls([b - a for a, b in zip(times, times[1:])])
     finally:
         engine.pacing_for = pacing_for
     report = {
@@ -171,6 +184,9 @@ def main():
         "shapes": f"gemma-4-12b/{args.scale}",
         "tok_s": {name: round(statistics.median(s), 2) for name, s in speeds.items()},
         "token_ms": {name: _spread(g) for name, g in gaps.items()},
+        "last_pass_stalls": stalls,
+        # The rounds of the last ``engine, cost`` pass that drafted (probes).
+        "paced_drafted_rounds": [i for i, r in enumerate(paced_stats.history) if r.proposed],
         "x_stock": {
             name: round(statistics.median(a / b for a, b in zip(s, speeds["stock"])), 3)
             for name, s in speeds.items()
