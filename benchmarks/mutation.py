@@ -1018,6 +1018,42 @@ MUTANTS = [
         "                self._partial[key] = under_way\n",
         ("tests/test_confidence.py", "-k", "expires_and"),
     ),
+    # Session 22.
+    Mutant(
+        "a depth near its bucket's end measures its own bucket",
+        "mlx_dspark/confidence/costs.py",
+        "            ahead = _entry_key(depth + NEAR_BUCKET_END, batch)\n",
+        "            ahead = _entry_key(depth, batch)\n",
+        ("tests/test_confidence.py", "-k", "buckets_end"),
+    ),
+    Mutant(
+        "Algorithm 1 stops at the first draft that does not pay alone",
+        "mlx_dspark/confidence/schedulers.py",
+        "            for m in range(1, len(ahead) + 1)\n",
+        "            for m in range(1, 2)\n",
+        ("tests/test_confidence.py", "-k", "cliff or schedule or appendix"),
+    ),
+    Mutant(
+        "a batch's truncation stops at the first position that does not pay alone",
+        "mlx_dspark/batching/policy.py",
+        "            for m in range(1, len(ahead) + 1)\n",
+        "            for m in range(1, 2)\n",
+        ("tests/test_batching.py", "-k", "cliff or drafted_round"),
+    ),
+    Mutant(
+        "the lookahead reads the last draft's survival (peeks past j)",
+        "mlx_dspark/confidence/schedulers.py",
+        "    rate = min(1.0, survival / before) if before > 0 else 0.0\n",
+        "    rate = min(1.0, row[-1] / survival) if survival > 0 else 0.0\n",
+        ("tests/test_confidence.py", "tests/test_batching.py", "-k", "never_looks or each_position"),
+    ),
+    Mutant(
+        "a plain round's overhead may exceed a drafting round's",
+        "mlx_dspark/batching/policy.py",
+        "        plain = min(plain, drafting)\n",
+        "",
+        ("tests/test_batching.py", "-k", "slow_plain or dearer_beyond"),
+    ),
 ]
 
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm import load
 
@@ -294,6 +294,7 @@ def schedule_cases(draw):
     return conditionals, perturbed, k, rates
 
 
+@settings(max_examples=500)  # pure arithmetic, a millisecond each
 @given(schedule_cases())
 def test_the_decision_to_verify_draft_k_never_looks_at_later_confidences(case):
     """Non-anticipation: whether drafts 1..k are verified depends on the
