@@ -8,13 +8,14 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mlx_lm import load
 
@@ -327,32 +328,78 @@ def test_batched_schedule_admits_request_prefixes_by_confidence(requests, rates)
     assert all(0 <= n <= len(row) for row, n in zip(survival_by_request, lengths))
     if admitted and refused:
         assert min(admitted) >= max(refused)
+    # The lookahead only goes further than the paper's rule, never less far.
+    paper = paper_schedule(survival_by_request, rate)
+    assert all(n >= p for n, p in zip(lengths, paper))
 
-    def best_with(expected, tokens, row, j):
-        """The best throughput admitting draft j of ``row`` and m - 1 more
-        of its drafts, each surviving at draft j's conditional rate ``c``."""
-        c = row[j - 1] / (row[j - 2] if j > 1 else 1.0)
-        return max(
-            (expected + row[j - 1] * sum(c**i for i in range(m))) * rate(tokens + m)
-            for m in range(1, len(row) - j + 2)
-        )
 
-    # Each admission could raise the expected throughput; the first draft
-    # refused (the likeliest left) could not.
-    order = sorted(
-        (-row[j - 1], j, r)
-        for r, (row, n) in enumerate(zip(survival_by_request, lengths))
-        for j in range(1, len(row) + 1)
-        if row[j - 1] > 0
+def paper_schedule(survival_by_request, rate):
+    """The paper's Algorithm 1 as published: drafts admitted by survival
+    while each one raises the expected throughput on its own."""
+    lengths = [0] * len(survival_by_request)
+    tokens, expected = len(lengths), float(len(lengths))
+    candidates = sorted(
+        (-a, j, r)
+        for r, row in enumerate(survival_by_request)
+        for j, a in enumerate(row, start=1)
+        if a > 0
     )
-    tokens, expected = len(requests), float(len(requests))
-    for _, j, r in order:
-        row = survival_by_request[r]
-        could = best_with(expected, tokens, row, j) > expected * rate(tokens)
-        assert could == (j <= lengths[r])
-        if not could:
+    for minus_a, j, r in candidates:
+        if (expected - minus_a) * rate(tokens + 1) <= expected * rate(tokens):
             break
-        tokens, expected = tokens + 1, expected + row[j - 1]
+        lengths[r], tokens, expected = j, tokens + 1, expected - minus_a
+    return lengths
+
+
+@settings(max_examples=300)  # pure arithmetic
+@given(
+    conditional=st.floats(0.01, 1.0),
+    block=st.integers(1, 7),
+    rates=st.lists(st.floats(0.05, 2.0), min_size=8, max_size=8),
+)
+# A dip after the first draft that only all seven drafts climb out of.
+@example(conditional=0.9, block=7, rates=[1.0, 1.0, 0.3, 0.3, 0.3, 0.3, 0.3, 0.36])
+def test_with_geometric_survival_the_causal_schedule_finds_the_best_prefix(
+    conditional, block, rates
+):
+    """Where every draft survives the one before at the same rate, what
+    draft j says of the drafts after it is exact: the causal schedule then
+    verifies the prefix with the most expected tokens per second, whatever
+    the shape of the verify's costs."""
+    survival = [conditional ** (j + 1) for j in range(block)]
+
+    def throughput(n):
+        return (1 + sum(survival[:n])) * rates[n]
+
+    [length] = prefix_schedule([survival], lambda tokens: rates[tokens - 1])
+    best = max(throughput(n) for n in range(block + 1))
+    assert throughput(length) >= best * (1 - 1e-9)
+
+
+@settings(max_examples=300)  # pure arithmetic
+@given(
+    conditionals=st.lists(st.floats(0, 1), min_size=7, max_size=7),
+    k=st.integers(1, 6),
+    later=st.sampled_from(["none survive", "all survive"]),
+    one_row=st.floats(0.005, 0.02),
+    cliff=st.integers(2, 7),
+)
+def test_past_a_cost_cliff_the_decision_to_verify_draft_k_still_never_looks_later(
+    conditionals, k, later, one_row, cliff
+):
+    """Non-anticipation where the lookahead matters: a verify of 2 to
+    ``cliff`` tokens costs far more than one, and more tokens about what
+    one does. Drafts after k changed to the extremes (none of them
+    survives, or all do) leave the decision on drafts 1..k alone."""
+
+    def rate(tokens):
+        seconds = one_row if tokens == 1 else 0.05 if tokens <= cliff else 1.5 * one_row
+        return 1.0 / seconds
+
+    changed = conditionals[:k] + [0.0 if later == "none survive" else 1.0] * (7 - k)
+    [length] = prefix_schedule([np.cumprod(conditionals).tolist()], rate)
+    [other] = prefix_schedule([np.cumprod(changed).tolist()], rate)
+    assert min(length, k) == min(other, k)
 
 
 # A 4-bit 12B target's verify costs on an H200 (1-16 rows, with a draft).
@@ -548,6 +595,19 @@ def test_a_depth_near_its_buckets_end_takes_the_next_buckets_costs(tmp_path):
     profile.costs(near - 1, timer, most=2)
     assert timer.calls == calls + 1
     assert profile.known(near - 1, timer) == RoundCosts(0.002, [0.01, 0.011, 0.012, 0.013])
+    # Once measured, a bucket's own costs stand for it, to its end.
+    for _ in range(3 * costs_module.REPEATS):
+        profile.costs(near - 1, timer, most=2)
+    own = RoundCosts(0.004, [0.02] * 5)
+    profile.entries["2048"] = dict(profile.entries["2048"], draft=own.draft, verify=own.verify)
+    assert profile.known(2048, timer) == profile.costs(2048, timer) == own
+    # A batch generator's entries are its buckets' own (it reads them by bucket).
+    batched = CountingTimer(0.002, [0.01, 0.011, 0.012, 0.013, 0.014])
+    for _ in range(3 * costs_module.REPEATS):
+        profile.costs(2049, batched, batch=4, most=2)
+    calls = batched.calls
+    profile.costs(near, batched, batch=4, most=2)
+    assert batched.calls == calls + 1
 
 
 def test_a_profile_measured_a_few_verifies_at_a_time_is_the_whole_measurement(tmp_path):
@@ -1165,7 +1225,22 @@ def test_calibrate_command_refuses_bad_input(tmp_path, args, message):
     assert "Traceback" not in result.stderr
 
 
-def test_generate_with_the_cost_scheduler_and_shipped_calibration(tmp_path):
+def test_generate_with_the_cost_scheduler_and_shipped_calibration(tmp_path, monkeypatch):
+    """mlx_lm.generate under ``cost`` with the shipped calibration: the
+    output is plain decoding's, and the drafted rounds' survival is
+    predicted from the calibrated confidences. Whether drafting pays is
+    the machine's to say, so the round costs are given (a verify of any
+    length 1 s, a draft 1 ms: the first rounds draft, on any machine)."""
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    model, _ = load(str(TARGET))
+    drafter = mlx_dspark.load_drafter(DSPARK)
+    key = costs_module.RoundTimer(
+        model, drafter, drafter.block_size, None, None, rows=costs_module.verify_rows(drafter.block_size)
+    ).key
+    path = costs_module.profile_path(key)
+    path.parent.mkdir(parents=True)
+    entry = dict(draft=0.001, verify=[1.0] * 16, depth=512, measured_at=time.time())
+    path.write_text(json.dumps({"512": entry}))
     common = ("--model", TARGET, "--prompt", PROMPT, "--max-tokens", 40)
     common += ("--ignore-chat-template",)
     plain = run("mlx_lm.generate", *common)
@@ -1184,3 +1259,6 @@ def test_generate_with_the_cost_scheduler_and_shipped_calibration(tmp_path):
     text = plain.stdout.split("==========")[1]
     assert ours.stdout.split("==========")[1] == text
     assert "cost scheduler" in ours.stdout and "predicted" in ours.stdout
+    # The given costs were the ones read: nothing was measured.
+    assert list(path.parent.iterdir()) == [path]
+    assert json.loads(path.read_text()) == {"512": entry}

@@ -28,9 +28,9 @@ With a calibrated drafter (a confidence head and fitted temperatures) the
 policy also looks at the round's own drafts before they are verified
 (``truncate``): from each sequence's predicted survival of its drafts it
 verifies one more draft position for the whole batch while that raises
-the expected tokens per second, and stops at the first position that does
-not (the batched form of the paper's Algorithm 1 for one forward of
-``B x (k + 1)`` rows).
+the expected tokens per second, or would with the positions after it, and
+stops at the first position where neither would (the batched form of the
+paper's Algorithm 1 for one forward of ``B x (k + 1)`` rows).
 
 A round drafts and verifies the same number of drafts for every sequence;
 one whose budget allows fewer judges only those, and the rest is padding.
@@ -260,20 +260,29 @@ def confident_drafts(
     tokens = float(len(caps))
     k, current = 0, tokens / (costs.draft + costs.verify[0])
     for j in range(1, top + 1):
-        ahead = [0.0] * (top - j + 1)  # expected tokens at positions j..top
-        for row, cap in zip(survival, caps):
-            if cap >= j:
-                for i, a in enumerate(survival_ahead(row, j, min(cap, top))):
-                    ahead[i] += a
-        reachable = max(
-            (tokens + sum(ahead[:m])) / (costs.draft + costs.verify[j + m - 1])
-            for m in range(1, len(ahead) + 1)
-        )
-        if reachable <= current:
+        gained = sum(s[j - 1] for s, cap in zip(survival, caps) if cap >= j)
+        pays = (tokens + gained) / (costs.draft + costs.verify[j]) > current
+        if not pays and not _pays_further(survival, caps, costs, j, top, tokens, current):
             break
-        tokens += ahead[0]
+        tokens += gained
         k, current = j, tokens / (costs.draft + costs.verify[j])
     return k
+
+
+def _pays_further(survival, caps, costs, j, top, tokens, current) -> bool:
+    """Whether verifying positions ``j..m`` for some ``m`` up to ``top``,
+    each sequence's later positions predicted by ``survival_ahead``, would
+    beat ``current`` tokens per second (only worked out where position ``j``
+    alone does not: it is the round's host work before its verify)."""
+    ahead = [0.0] * (top - j + 1)  # expected tokens at positions j..top
+    for row, cap in zip(survival, caps):
+        if cap >= j:
+            for i, a in enumerate(survival_ahead(row, j, min(cap, top))):
+                ahead[i] += a
+    return any(
+        (tokens + sum(ahead[:m])) / (costs.draft + costs.verify[j + m - 1]) > current
+        for m in range(2, len(ahead) + 1)
+    )
 
 
 def _probing(rounds: int, length: int, every: int = REPROBE_EVERY) -> bool:
@@ -377,11 +386,15 @@ class BatchPolicy:
                 length = self._probe_rounds(batch)
                 if not _probing(self.parked, length, self._reprobe):
                     # What a probe round loses, at the acceptance the policy
-                    # parked on. (Not re-weighed within a probe, which its
-                    # first round's acceptance would otherwise cut short.)
+                    # parked on, with its share of the probe's two changes
+                    # of shape (into drafting and back; on the H200 20-40
+                    # ms each, more than a probe round's own loss). (Not
+                    # re-weighed within a probe, which its first round's
+                    # acceptance would otherwise cut short.)
                     tokens = sum(expected_tokens(r, min(hopeful, c)) for r, c in zip(rates, caps))
                     plain = costs.verify[0]
                     loss = costs.verify[hopeful] + costs.draft - tokens * plain / len(caps)
+                    loss += 2 * self.switch_cost / length
                     self._reprobe = reprobe_every(loss, plain, length)
                 if _probing(self.parked, length, self._reprobe):
                     k = hopeful

@@ -70,10 +70,12 @@ PAD_SAVING = 0.10
 # generation for long (a whole measurement took 5-17 s at 12B on CUDA).
 VERIFIES_MEASURED_PER_ROUND = 2
 
-# A depth this close to the end of its bucket, whose bucket is not measured
-# yet, takes the next bucket's costs where those are: a generation soon
-# leaves the bucket, and each one passing through would otherwise stall a
-# round measuring it, for costs it barely uses. (On an H200 each 4-bit 12B
+# A single stream's depth this close to the end of its bucket, whose bucket
+# is not measured yet, takes the next bucket's costs where those are: the
+# generation soon leaves the bucket, and each one passing through would
+# otherwise stall a round measuring it, for costs it barely uses. (A batch
+# generator's entries are left alone: it reads which batch sizes are
+# measured bucket by bucket, ``measured_batches``.) (On an H200 each 4-bit 12B
 # generation from a 2048-token prompt spent its first round, the only one at
 # depth 2048, measuring two more verify lengths of that bucket: 170-250 ms,
 # 15% of a 128-token generation parked in every round.)
@@ -332,7 +334,9 @@ class CostProfile:
     ) -> RoundCosts:
         """The costs at ``depth`` (for rounds of ``batch`` sequences, when the
         profile is a batch generator's), measured with ``timer`` when this
-        profile has none (or only stale or malformed ones) for that bucket.
+        profile has none (or only stale or malformed ones) for that bucket
+        (near a bucket's end, a single stream may take the next bucket's,
+        ``NEAR_BUCKET_END``).
 
         With ``most``, a call times at most that many verifies once (and
         the draft with the first of them), one pass over all of them after
@@ -376,10 +380,10 @@ class CostProfile:
 
     def _entry_for(self, depth: int, batch: Optional[int], tokens: int) -> str:
         """The key of the entry that stands for ``depth``: its bucket's, or
-        near the bucket's end, where that is not measured and the next one
-        is, the next one's (``NEAR_BUCKET_END``)."""
+        for a single stream near the bucket's end, where that is not
+        measured and the next one is, the next one's (``NEAR_BUCKET_END``)."""
         key = _entry_key(depth, batch)
-        if not self._usable(self.entries.get(key), tokens):
+        if batch is None and not self._usable(self.entries.get(key), tokens):
             ahead = _entry_key(depth + NEAR_BUCKET_END, batch)
             if self._usable(self.entries.get(ahead), tokens):
                 return ahead

@@ -42,8 +42,11 @@ def prefix_schedule(
     would with the request's later drafts (``survival_ahead``), and the
     search stops at the first draft that would not (the causal early stop).
     The lookahead crosses a verify's cost cliff: where 2-7 rows cost far
-    more than 1 and 8 hardly more than 7 (a 4-bit 12B target on an H200),
-    the first draft alone never pays and seven do.
+    more than 1 and 8 half of 7 (a 4-bit 12B target on an H200), the first
+    draft alone never pays and seven do. It looks along the request of the
+    draft weighed only; with several requests, one request's refusal still
+    ends the search for all (the engine schedules one request a round).
+    ``steps_per_second`` must cover every request's drafts at once.
     """
     for row in survival_by_request:
         if any(later > earlier for earlier, later in zip(row, row[1:])):
@@ -167,6 +170,9 @@ class CostScheduler:
         # The round's pacing has measured what it needs at this depth.
         known = self.profile(timer).known(depth, timer)
         costs = self.costs(depth, timer) if known is None else known.padded()
+        # No further than the verify lengths measured (a measurement under
+        # way may not have reached them all).
+        logits = logits[: len(costs.verify) - 1]
         [length] = prefix_schedule(
             [survival(logits, self.temperatures)], costs.rounds_per_second
         )
