@@ -1036,8 +1036,8 @@ MUTANTS = [
     Mutant(
         "a batch's truncation stops at the first position that does not pay alone",
         "mlx_dspark/batching/policy.py",
-        "            for m in range(1, len(ahead) + 1)\n",
-        "            for m in range(1, 2)\n",
+        "        if not pays and not _pays_further(survival, caps, costs, j, top, tokens, current):\n",
+        "        if not pays:\n",
         ("tests/test_batching.py", "-k", "cliff or drafted_round"),
     ),
     Mutant(
@@ -1048,11 +1048,46 @@ MUTANTS = [
         ("tests/test_confidence.py", "tests/test_batching.py", "-k", "never_looks or each_position"),
     ),
     Mutant(
+        "probes leave their changes of shape out of their loss",
+        "mlx_dspark/batching/policy.py",
+        "                    loss += 2 * self.switch_cost / length\n",
+        "",
+        ("tests/test_batching.py", "-k", "changes_of_shape"),
+    ),
+    Mutant(
+        "a measured bucket's end takes the next bucket's costs",
+        "mlx_dspark/confidence/costs.py",
+        "        if batch is None and not self._usable(self.entries.get(key), tokens):\n",
+        "        if batch is None:\n",
+        ("tests/test_confidence.py", "-k", "buckets_end"),
+    ),
+    Mutant(
+        "a batch's bucket end takes the next bucket's costs",
+        "mlx_dspark/confidence/costs.py",
+        "        if batch is None and not self._usable(self.entries.get(key), tokens):\n",
+        "        if not self._usable(self.entries.get(key), tokens):\n",
+        ("tests/test_confidence.py", "-k", "buckets_end"),
+    ),
+    Mutant(
+        "the lookahead keeps later drafts at draft j's survival, not its rate",
+        "mlx_dspark/confidence/schedulers.py",
+        "    rate = min(1.0, survival / before) if before > 0 else 0.0\n",
+        "    rate = survival\n",
+        ("tests/test_confidence.py", "-k", "geometric or cliff"),
+    ),
+    Mutant(
+        "a plain round's overhead is clamped only once a drafting one is known",
+        "mlx_dspark/batching/policy.py",
+        "        plain = min(plain, drafting)\n",
+        "        plain = min(plain, drafting) if drafting else plain\n",
+        ("tests/test_batching.py", "-k", "slow_plain"),
+    ),
+    Mutant(
         "a plain round's overhead may exceed a drafting round's",
         "mlx_dspark/batching/policy.py",
         "        plain = min(plain, drafting)\n",
         "",
-        ("tests/test_batching.py", "-k", "slow_plain or dearer_beyond"),
+        ("tests/test_batching.py", "-k", "slow_plain or no_acceptance"),
     ),
 ]
 
