@@ -1599,9 +1599,10 @@ def test_a_policy_that_saw_slow_plain_rounds_does_not_draft_at_no_acceptance():
 
 
 def test_probes_weigh_the_changes_of_shape_they_make():
-    """A probe changes the round's shape into drafting and back; where a
-    change costs as much as a plain round, probes come four times further
-    apart than on their rounds' loss alone."""
+    """A probe changes the round's shape into drafting and back: each probe
+    round's loss (9.3 ms here) gains its share of both changes, so where a
+    change costs 7 ms probes come twice as far apart as on their rounds'
+    loss alone, and where it costs 10 ms four times."""
     costs = RoundCosts(draft=0.005, verify=[0.010] + [0.030] * 4)
 
     def first_probe(switch_cost):
@@ -1613,6 +1614,7 @@ def test_probes_weigh_the_changes_of_shape_they_make():
         return next(i for i, k in enumerate(choices) if k)
 
     assert first_probe(0.0) == 63
+    assert first_probe(0.007) == 127
     assert first_probe(0.010) == REPROBE_AT_MOST - 1
 
 

@@ -1232,6 +1232,9 @@ def test_generate_with_the_cost_scheduler_and_shipped_calibration(tmp_path, monk
     the machine's to say, so the round costs are given (a verify of any
     length 1 s, a draft 1 ms: the first rounds draft, on any machine)."""
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    # What the commands set on MLX-CUDA for an unquantized target (part of
+    # the profile's key), set for both processes.
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "0")
     model, _ = load(str(TARGET))
     drafter = mlx_dspark.load_drafter(DSPARK)
     key = costs_module.RoundTimer(
@@ -1259,6 +1262,9 @@ def test_generate_with_the_cost_scheduler_and_shipped_calibration(tmp_path, monk
     text = plain.stdout.split("==========")[1]
     assert ours.stdout.split("==========")[1] == text
     assert "cost scheduler" in ours.stdout and "predicted" in ours.stdout
-    # The given costs were the ones read: nothing was measured.
+    # The given costs were the ones read: nothing was measured (a
+    # measurement spread over rounds may not finish within 40 tokens), and
+    # on them every round drafts and verifies each draft.
+    assert "without drafts" not in ours.stdout and " -" not in ours.stdout.split("position")[-1]
     assert list(path.parent.iterdir()) == [path]
     assert json.loads(path.read_text()) == {"512": entry}

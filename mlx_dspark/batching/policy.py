@@ -270,9 +270,9 @@ def confident_drafts(
 
 
 def _pays_further(survival, caps, costs, j, top, tokens, current) -> bool:
-    """Whether verifying positions ``j..m`` for some ``m`` up to ``top``,
-    each sequence's later positions predicted by ``survival_ahead``, would
-    beat ``current`` tokens per second (only worked out where position ``j``
+    """Whether verifying positions ``j`` to ``j + m - 1`` for some ``m`` of
+    2 or more (up to ``top``), each sequence's later positions predicted by
+    ``survival_ahead``, would beat ``current`` tokens per second (only worked out where position ``j``
     alone does not: it is the round's host work before its verify)."""
     ahead = [0.0] * (top - j + 1)  # expected tokens at positions j..top
     for row, cap in zip(survival, caps):

@@ -73,12 +73,12 @@ VERIFIES_MEASURED_PER_ROUND = 2
 # A single stream's depth this close to the end of its bucket, whose bucket
 # is not measured yet, takes the next bucket's costs where those are: the
 # generation soon leaves the bucket, and each one passing through would
-# otherwise stall a round measuring it, for costs it barely uses. (A batch
-# generator's entries are left alone: it reads which batch sizes are
-# measured bucket by bucket, ``measured_batches``.) (On an H200 each 4-bit 12B
-# generation from a 2048-token prompt spent its first round, the only one at
-# depth 2048, measuring two more verify lengths of that bucket: 170-250 ms,
-# 15% of a 128-token generation parked in every round.)
+# otherwise stall a round measuring it, for costs it barely uses: on an H200
+# each 4-bit 12B generation from a 2048-token prompt spent its first round,
+# the only one at depth 2048, measuring two more verify lengths of that
+# bucket (170-250 ms, 15% of a 128-token generation parked in every round).
+# A batch generator's entries are left alone: it reads which batch sizes are
+# measured bucket by bucket (``measured_batches``).
 NEAR_BUCKET_END = 64
 
 
