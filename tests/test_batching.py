@@ -1286,6 +1286,46 @@ def test_expected_tokens_and_acceptance():
     assert acceptance.rates() == [1.0, 0.5, 1.0]
 
 
+@given(
+    st.integers(1, 6).flatmap(
+        lambda n: st.tuples(
+            st.lists(st.tuples(st.integers(0, n), st.integers(0, n)), max_size=8),
+            st.integers(0, n - 1),
+            st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n),
+            st.floats(0.5, 1.0),
+            st.just(n),
+        )
+    )
+)
+def test_drafts_not_verified_count_as_their_verify_would_on_average(case):
+    """A round's drafts from position ``first`` on, drafted and not
+    verified after every verified draft was accepted, move the acceptance
+    counts by the mean of what verifying them would have moved them by,
+    each draft kept at its predicted rate: the outcomes (how many of them
+    would have been kept) weighed by their chances. The positions before
+    ``first`` are untouched."""
+    history, first, rates, decay, n = case
+    acceptance = Acceptance(n, prior_weight=1.0, decay=decay)
+    for proposed, accepted in history:
+        acceptance.update(proposed, min(accepted, proposed))
+    expected = [0.0] * n, [0.0] * n
+    for kept in range(n - first + 1):
+        chance = math.prod(rates[first : first + kept])
+        if first + kept < n:
+            chance *= 1 - rates[first + kept]
+        outcome = copy.deepcopy(acceptance)
+        outcome.update(n, first + kept)
+        for counts, moved in zip(expected, (outcome.verified, outcome.accepted)):
+            for j in range(first, n):
+                counts[j] += chance * moved[j]
+    before = copy.deepcopy(acceptance)
+    acceptance.expect(first, rates[first:])
+    assert acceptance.verified[:first] == before.verified[:first]
+    assert acceptance.accepted[:first] == before.accepted[:first]
+    assert acceptance.verified[first:] == pytest.approx(expected[0][first:], abs=1e-9)
+    assert acceptance.accepted[first:] == pytest.approx(expected[1][first:], abs=1e-9)
+
+
 @pytest.mark.usefixtures("frequent_probes")
 def test_policy_parks_when_verifying_more_rows_costs_too_much():
     """Flat verify costs favour every draft; costs that grow with the rows
@@ -2060,6 +2100,35 @@ def test_the_cost_policy_verifies_a_calibrated_drafters_rounds_by_confidence():
             drafted = [k for k in chosen if k]
             assert len(truncated) == len(drafted)
             assert any(t < k for t, k in zip(truncated, drafted))
+
+
+def test_a_batch_whose_confidences_refuse_its_drafts_stops_drafting(monkeypatch):
+    """A calibrated drafter whose confidences say no draft will be kept: the
+    ``cost`` policy drafts at first (its prior acceptance pays on these
+    costs), verifies none of the drafts, and counts them at their
+    confidences, so it soon stops drafting, but for its probes. (Counting
+    only what it verified, it would draft and verify nothing in every
+    round.) The output is greedy."""
+    model, drafter = trained("gemma4")
+    drafter = calibrated(drafter)
+    propose = drafter.propose_batch
+
+    def doubtful(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        proposal.confidence = mx.full(proposal.tokens.shape, -4.0)
+        return proposal
+
+    monkeypatch.setattr(drafter, "propose_batch", doubtful)
+    policy = untimed_cost_policy(RoundCosts(draft=0.002, verify=[0.010] + [0.012] * 4))
+    chosen, truncated, choose, truncate = [], [], policy.choose, policy.truncate
+    policy.choose = lambda *a, **kw: chosen.append(choose(*a, **kw)) or chosen[-1]
+    policy.truncate = lambda *a, **kw: truncated.append(truncate(*a, **kw)) or truncated[-1]
+    generator = SpeculativeBatchGenerator(model, drafter, policy=policy)
+    prompt = [65, 211, 266, 241]
+    tokens, _ = run(generator, [(0, prompt, dict(max_tokens=[96]))])
+    assert tokens[0] == plain_greedy(model, prompt, 96)
+    assert all(chosen[:3]) and truncated and not any(truncated)
+    assert sum(k > 0 for k in chosen[len(chosen) // 2 :]) <= len(chosen) // 2 // REPROBE_EVERY + 1
 
 
 def test_one_slow_round_does_not_park_the_policy():

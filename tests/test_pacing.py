@@ -309,6 +309,41 @@ def test_a_generation_starts_from_the_drafters_recent_acceptance():
     assert Pacing(TableCostScheduler(None, 0.002, flat), None, 6).drafts(6, 2048) == 6
 
 
+def doubtful(monkeypatch, drafter, logit=-4.0):
+    """Every draft's confidence logit is ``logit`` (-4: each kept at 2%)."""
+    propose = drafter.propose
+
+    def proposing(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        proposal.confidence = mx.full(proposal.tokens.shape, logit)
+        return proposal
+
+    monkeypatch.setattr(drafter, "propose", proposing)
+
+
+def test_a_stream_whose_confidences_refuse_its_drafts_stops_drafting(monkeypatch):
+    """A drafter's generations so far accepted every draft, so its next
+    generation starts out drafting; now its confidences say no draft will
+    be kept, and the schedule verifies none. The drafts drawn and not
+    verified count at their confidences, so within about 30 rounds (the
+    acceptance's memory) the pacing stops drafting, but for its probes.
+    (Counting only what it verified, it would draft and verify nothing in
+    every round.) The output is the target's."""
+    model, drafter = trained("gemma4", "dspark")
+    flat = [0.010] + [0.012] * 15
+    scheduler = TableCostScheduler([1.0] * drafter.block_size, 0.002, flat)
+    earlier = Pacing(scheduler, None, drafter.block_size)
+    for _ in range(40):
+        earlier.update(drafter.block_size, drafter.block_size)
+    doubtful(monkeypatch, drafter)
+    prompt = [65, 211, 266, 241, 234, 10, 325, 168]
+    ours, stats = speculative(model, drafter, prompt, 96, scheduler=scheduler)
+    assert ours == plain_greedy(model, prompt, 96)
+    drafted = [bool(r.drafts) for r in stats.history]
+    assert all(drafted[:10]) and not any(r.proposed for r in stats.history)
+    assert sum(drafted[48:]) <= 48 // REPROBE_EVERY
+
+
 def verify_rows_seen(monkeypatch):
     """The row counts of the target's forwards, as the engine runs them."""
     seen, adapt = [], engine.adapt_target

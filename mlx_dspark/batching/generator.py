@@ -48,7 +48,7 @@ from mlx_lm.generate import (
 from mlx_lm.generate_utils import BatchCounters, BatchCountersSnapshot, BatchStats
 from mlx_lm.sample_utils import greedy_sampler
 
-from ..confidence.calibration import survival
+from ..confidence.calibration import kept_rates, survival
 from ..confidence.costs import (
     VERIFIES_MEASURED_PER_ROUND,
     CostProfile,
@@ -874,7 +874,7 @@ class SpeculativeBatchGenerator:
         k = self._width(rows, max(drafts_per_row))
         after_measuring, self._measured = self._measured, False
         contexts = [None if s.finished else s.context() for s in sequences]
-        proposal, took_in_parked = None, False
+        proposal, took_in_parked, read = None, False, None
         reshaped, rows.reshaped = rows.reshaped, False
         if k:
             took_in_parked = bool(self._parked_taps)
@@ -886,7 +886,7 @@ class SpeculativeBatchGenerator:
             draw = None if all(d is None for d in draws) else _batch_draw(draws)
             proposal = self._propose(rows, anchors, k, draw)
             if self._truncating() and proposal.confidence is not None:
-                drafts_per_row = self._truncate(rows, proposal, drafts_per_row)
+                drafts_per_row, read = self._truncate(rows, proposal, drafts_per_row)
                 k = self._width(rows, max(drafts_per_row), most=k)
                 # Verifying none of them is a round without drafts; the
                 # drafter's caches are as they were before it drafted.
@@ -922,6 +922,7 @@ class SpeculativeBatchGenerator:
             token_log_probs=_log_probs_of(log_probs, tokens),
             anchors=mx.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0],
             took_in_parked=took_in_parked,
+            confidences=read,
             reshaped=reshaped,
             after_measuring=after_measuring,
             idle=sum(s.finished for s in sequences),
@@ -954,9 +955,9 @@ class SpeculativeBatchGenerator:
             and getattr(self.drafter, "calibration", None) is not None
         )
 
-    def _truncate(self, rows: Rows, proposal, drafts_per_row: List[int]) -> List[int]:
+    def _truncate(self, rows: Rows, proposal, drafts_per_row: List[int]):
         """Each row's drafts to verify, once the host has read the drafts'
-        confidences."""
+        confidences, and those confidences (``[B, k]``)."""
         temperatures = self.drafter.calibration.temperatures
         confidence = proposal.confidence.tolist()
         live = [b for b, s in enumerate(rows.sequences) if not s.finished]
@@ -964,7 +965,7 @@ class SpeculativeBatchGenerator:
         depth = max(len(s.tokens) for s in rows.sequences)
         caps = [drafts_per_row[b] for b in live]
         k = self.policy.truncate(survivals, caps, depth, batch=len(rows))
-        return [min(k, n) for n in drafts_per_row]
+        return [min(k, n) for n in drafts_per_row], confidence
 
     def _collect(self, launched: "Launched", reuse: bool):
         """The responses of a launched round, once the device has it: each
@@ -1001,6 +1002,8 @@ class SpeculativeBatchGenerator:
             next_token = emitted[-1] if len(emitted) > accepted[b] else None
             verified = n if next_token is not None else kept
             self._record(s, n, kept, verified, next_token, drafted[b], confidence[b])
+            if launched.confidences is not None and next_token is not None and kept == n:
+                self._expect(s, n, launched.confidences[b])
             # Cached now: the anchor and every emitted token but the last.
             s.tokens += [s.anchor] + emitted[:-1]
             s.anchor = emitted[-1]
@@ -1059,6 +1062,15 @@ class SpeculativeBatchGenerator:
             tokens.append(t)
         return log_probs, mx.stack(accepted).astype(mx.int32), mx.stack(tokens)
 
+    def _expect(self, s, verified: int, confidence: List[float]) -> None:
+        """A row accepted the ``verified`` drafts it verified, of those its
+        round drew by confidence: the rest count at their calibrated
+        confidences (``Acceptance.expect``)."""
+        if verified < len(confidence):
+            rates = kept_rates(confidence, self.drafter.calibration.temperatures)[verified:]
+            s.acceptance.expect(verified, rates)
+            self._recent.expect(verified, rates)
+
     def _record(self, s, proposed, accepted, verified, next_token, drafts, confidence):
         s.acceptance.update(proposed, accepted)
         self._recent.update(proposed, accepted)
@@ -1093,6 +1105,9 @@ class Launched:
     token_log_probs: mx.array  # [B, k + 1]: each of ``tokens``' log-probability
     anchors: mx.array  # [B]: the next round's anchors
     took_in_parked: bool = False  # the drafter took in parked rounds' taps too
+    # Every draft's confidence, where the host read them to choose the drafts
+    # to verify (``[B][drafts drawn]``, more than ``proposal`` keeps).
+    confidences: Optional[list] = None
     reshaped: bool = False  # it also copied caches for rows joined or left
     # Launched after costs were timed, whose verifies of other lengths make
     # the next round's shape a change (see ``policy.PROBE_ROUNDS``).

@@ -69,15 +69,23 @@ def sigmoid(x):
     return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, dtype=np.float64)))
 
 
+def kept_rates(
+    logits: Sequence[float], temperatures: Optional[Sequence[float]] = None
+) -> List[float]:
+    """``σ(z_k / T_k)``: each draft's predicted chance of being kept once the
+    drafts before it were (``T_k = 1`` without temperatures)."""
+    z = np.asarray(logits, dtype=np.float64)
+    if temperatures is not None:
+        z = z / np.asarray(temperatures[: len(z)])
+    return sigmoid(z).tolist()
+
+
 def survival(
     logits: Sequence[float], temperatures: Optional[Sequence[float]] = None
 ) -> List[float]:
     """``a_k = Π_{i<=k} σ(z_i / T_i)`` for one round's logits (``T_i = 1``
     without temperatures)."""
-    z = np.asarray(logits, dtype=np.float64)
-    if temperatures is not None:
-        z = z / np.asarray(temperatures[: len(z)])
-    return np.cumprod(sigmoid(z)).tolist()
+    return np.cumprod(kept_rates(logits, temperatures)).tolist()
 
 
 def expected_calibration_error(predicted, labels, bins: int = BINS):

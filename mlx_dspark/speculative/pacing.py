@@ -36,6 +36,7 @@ import threading
 from collections import deque
 
 from ..batching.policy import Acceptance, BatchPolicy
+from ..confidence.calibration import kept_rates
 from ..confidence.costs import VERIFIES_MEASURED_PER_ROUND
 
 # How much a round's acceptance counts decay each round: a memory of about 30
@@ -133,6 +134,15 @@ class Pacing:
         self.acceptance.update(verified, accepted)
         self.recent.update(verified, accepted)
 
+    def expect(self, first: int, logits) -> None:
+        """The round's drafts from position ``first`` on, whose confidences
+        were ``logits[first:]``, were drafted and not verified, and every
+        verified one was accepted: they count at their calibrated
+        confidences (``Acceptance.expect``)."""
+        rates = kept_rates(logits, self.scheduler.temperatures)[first:]
+        self.acceptance.expect(first, rates)
+        self.recent.expect(first, rates)
+
 
 class FixedPacing:
     """Every round proposes as many drafts as it may and verifies them."""
@@ -147,6 +157,9 @@ class FixedPacing:
         return tokens
 
     def update(self, verified: int, accepted: int) -> None:
+        pass
+
+    def expect(self, first: int, logits) -> None:
         pass
 
 
