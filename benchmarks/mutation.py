@@ -1089,6 +1089,43 @@ MUTANTS = [
         "",
         ("tests/test_batching.py", "-k", "slow_plain or no_acceptance"),
     ),
+    Mutant(
+        "refused drafts count without the decay",
+        "mlx_dspark/batching/policy.py",
+        "            self.verified[j] = self.decay * self.verified[j] + 1.0\n"
+        "            self.accepted[j] = self.decay * self.accepted[j] + rate\n",
+        "            self.verified[j] = self.verified[j] + 1.0\n"
+        "            self.accepted[j] = self.decay * self.accepted[j] + rate\n",
+        ("tests/test_batching.py", "-k", "bring_every_later_rate"),
+    ),
+    Mutant(
+        "refused drafts count as kept",
+        "mlx_dspark/batching/policy.py",
+        "            self.accepted[j] = self.decay * self.accepted[j] + rate\n",
+        "            self.accepted[j] = self.decay * self.accepted[j] + 1.0\n",
+        ("tests/test_batching.py", "-k", "bring_every_later_rate"),
+    ),
+    Mutant(
+        "a single stream learns nothing from the drafts it refused",
+        "mlx_dspark/speculative/engine.py",
+        "                    pacing.expect(num_verify, logits)\n",
+        "                    pass\n",
+        ("tests/test_pacing.py", "-k", "refuse_its_drafts"),
+    ),
+    Mutant(
+        "a batch learns nothing from the drafts it refused",
+        "mlx_dspark/batching/generator.py",
+        "                self._expect(s, n, launched.confidences[b])\n",
+        "                pass\n",
+        ("tests/test_batching.py", "-k", "refuse_its_drafts"),
+    ),
+    Mutant(
+        "refused drafts count at their raw confidences, not the calibrated ones",
+        "mlx_dspark/speculative/pacing.py",
+        "        rates = kept_rates(logits, self.scheduler.temperatures)[first:]\n",
+        "        rates = kept_rates(logits)[first:]\n",
+        ("tests/test_pacing.py", "-k", "refuse_its_drafts"),
+    ),
 ]
 
 

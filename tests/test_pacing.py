@@ -309,8 +309,8 @@ def test_a_generation_starts_from_the_drafters_recent_acceptance():
     assert Pacing(TableCostScheduler(None, 0.002, flat), None, 6).drafts(6, 2048) == 6
 
 
-def doubtful(monkeypatch, drafter, logit=-4.0):
-    """Every draft's confidence logit is ``logit`` (-4: each kept at 2%)."""
+def doubtful(monkeypatch, drafter, logit):
+    """Every draft's confidence logit is ``logit``."""
     propose = drafter.propose
 
     def proposing(*args, **kwargs):
@@ -323,19 +323,20 @@ def doubtful(monkeypatch, drafter, logit=-4.0):
 
 def test_a_stream_whose_confidences_refuse_its_drafts_stops_drafting(monkeypatch):
     """A drafter's generations so far accepted every draft, so its next
-    generation starts out drafting; now its confidences say no draft will
-    be kept, and the schedule verifies none. The drafts drawn and not
-    verified count at their confidences, so within about 30 rounds (the
+    generation starts out drafting; now its calibrated confidences say each
+    draft is kept at 2% (a raw 27%, at which drafting would pay), and the
+    schedule verifies none. The drafts drawn and not verified count at
+    their calibrated confidences, so within about 30 rounds (the
     acceptance's memory) the pacing stops drafting, but for its probes.
     (Counting only what it verified, it would draft and verify nothing in
     every round.) The output is the target's."""
     model, drafter = trained("gemma4", "dspark")
-    flat = [0.010] + [0.012] * 15
-    scheduler = TableCostScheduler([1.0] * drafter.block_size, 0.002, flat)
+    flat = [0.010] + [0.0105] * 15
+    scheduler = TableCostScheduler([0.25] * drafter.block_size, 0.001, flat)
     earlier = Pacing(scheduler, None, drafter.block_size)
     for _ in range(40):
         earlier.update(drafter.block_size, drafter.block_size)
-    doubtful(monkeypatch, drafter)
+    doubtful(monkeypatch, drafter, logit=-1.0)
     prompt = [65, 211, 266, 241, 234, 10, 325, 168]
     ours, stats = speculative(model, drafter, prompt, 96, scheduler=scheduler)
     assert ours == plain_greedy(model, prompt, 96)

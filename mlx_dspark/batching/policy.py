@@ -156,21 +156,21 @@ class Acceptance:
                 break
 
     def expect(self, first: int, rates: Sequence[float]) -> None:
-        """A round's drafts from position ``first`` on were drafted and not
+        """A round's drafts from position ``first`` on were drawn and not
         verified (its drafter's confidences said they would not pay), after
-        every verified one was accepted; ``rates``: each one's predicted
-        chance of being kept once those before it were. The counts move as
-        ``update`` would move them on average. Without it a stream whose
+        every verified one was accepted; ``rates``: each one's calibrated
+        chance of being kept once those before it were. Each counts as one
+        verify of its position, kept at that chance. (Weighed by the chance
+        that a verify would have reached it, a later position would keep
+        its old rate for as long as the first draft's rate stayed low, and
+        drafting would look as if it paid.) Without it a stream whose
         acceptance fell would go on drafting at its old rates and verifying
         nothing, learning nothing (on an H200 a 4-bit 12B DSpark stream at
         tau 1.5, after its generations at tau 3.3 and 6, drafted in each of
         381 rounds and verified none, at 0.61x plain decoding)."""
-        reach = 1.0  # the chance that the verify would have reached position j
         for j, rate in zip(range(first, self.positions), rates):
-            kept = 1.0 - reach * (1.0 - self.decay)
-            self.verified[j] = kept * self.verified[j] + reach
-            self.accepted[j] = kept * self.accepted[j] + reach * rate
-            reach *= rate
+            self.verified[j] = self.decay * self.verified[j] + 1.0
+            self.accepted[j] = self.decay * self.accepted[j] + rate
 
     def rates(self) -> List[float]:
         """``a_j``: P(draft j accepted | drafts before it accepted)."""
