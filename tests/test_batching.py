@@ -1296,8 +1296,7 @@ def test_expected_tokens_and_acceptance():
     )
 )
 def test_drafts_refused_round_after_round_bring_every_later_rate_to_their_confidence(case):
-    """Whatever the rounds before (here every draft accepted, or none),
-    rounds whose drafts from position ``first`` on are refused, each with
+    """Whatever the rounds before, rounds whose drafts from position ``first`` on are refused, each with
     a calibrated chance of being kept, bring the acceptance rate of every
     position from ``first`` on to that chance (within the prior's pull),
     the later positions too, however unlikely a verify would have been to
@@ -2119,6 +2118,29 @@ def test_a_batch_whose_confidences_refuse_its_drafts_stops_drafting(monkeypatch)
     assert tokens[0] == plain_greedy(model, prompt, 96)
     assert all(chosen[:3]) and truncated and not any(truncated)
     assert sum(k > 0 for k in chosen[len(chosen) // 2 :]) <= len(chosen) // 2 // REPROBE_EVERY + 1
+
+
+def test_a_batch_counts_no_draft_its_confidences_did_not_refuse(monkeypatch):
+    """Confident drafts are all verified, so nothing counts at its
+    confidence (``Acceptance.expect``), not even near a request's end, where
+    its budget lets it verify fewer drafts than the round drew."""
+    model, drafter = trained("gemma4")
+    drafter = calibrated(drafter)
+    propose, expected = drafter.propose_batch, []
+
+    def confident(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        proposal.confidence = mx.full(proposal.tokens.shape, 6.0)
+        return proposal
+
+    monkeypatch.setattr(drafter, "propose_batch", confident)
+    monkeypatch.setattr(Acceptance, "expect", lambda self, *a: expected.append(a))
+    policy = untimed_cost_policy(RoundCosts(draft=0.002, verify=[0.010] + [0.0101] * 4))
+    generator = SpeculativeBatchGenerator(model, drafter, policy=policy)
+    requests = [(0, [65, 211, 266, 241], dict(max_tokens=[n])) for n in (7, 10, 13)]
+    tokens, _ = run(generator, requests)
+    assert [len(t) for t in tokens.values()] == [7, 10, 13]
+    assert expected == []
 
 
 def test_one_slow_round_does_not_park_the_policy():

@@ -957,7 +957,8 @@ class SpeculativeBatchGenerator:
 
     def _truncate(self, rows: Rows, proposal, drafts_per_row: List[int]):
         """Each row's drafts to verify, once the host has read the drafts'
-        confidences, and those confidences (``[B, k]``)."""
+        confidences, and the confidences of the drafts each row could
+        verify (its own budget and draft count allowing)."""
         temperatures = self.drafter.calibration.temperatures
         confidence = proposal.confidence.tolist()
         live = [b for b, s in enumerate(rows.sequences) if not s.finished]
@@ -965,6 +966,7 @@ class SpeculativeBatchGenerator:
         depth = max(len(s.tokens) for s in rows.sequences)
         caps = [drafts_per_row[b] for b in live]
         k = self.policy.truncate(survivals, caps, depth, batch=len(rows))
+        confidence = [row[:n] for row, n in zip(confidence, drafts_per_row)]
         return [min(k, n) for n in drafts_per_row], confidence
 
     def _collect(self, launched: "Launched", reuse: bool):
@@ -1062,14 +1064,14 @@ class SpeculativeBatchGenerator:
             tokens.append(t)
         return log_probs, mx.stack(accepted).astype(mx.int32), mx.stack(tokens)
 
-    def _expect(self, s, verified: int, confidence: List[float]) -> None:
-        """A row accepted the ``verified`` drafts it verified, of those its
-        round drew by confidence: the rest count at their calibrated
-        confidences (``Acceptance.expect``)."""
-        if verified < len(confidence):
-            rates = kept_rates(confidence, self.drafter.calibration.temperatures)[verified:]
-            s.acceptance.expect(verified, rates)
-            self._recent.expect(verified, rates)
+    def _expect(self, s, first: int, confidence: List[float]) -> None:
+        """A row's drafts from ``first`` on, which it could have verified and
+        the truncation refused after every verified one was accepted, count
+        at their calibrated confidences (``Acceptance.expect``)."""
+        if first < len(confidence):
+            rates = kept_rates(confidence, self.drafter.calibration.temperatures)[first:]
+            s.acceptance.expect(first, rates)
+            self._recent.expect(first, rates)
 
     def _record(self, s, proposed, accepted, verified, next_token, drafts, confidence):
         s.acceptance.update(proposed, accepted)
@@ -1105,8 +1107,8 @@ class Launched:
     token_log_probs: mx.array  # [B, k + 1]: each of ``tokens``' log-probability
     anchors: mx.array  # [B]: the next round's anchors
     took_in_parked: bool = False  # the drafter took in parked rounds' taps too
-    # Every draft's confidence, where the host read them to choose the drafts
-    # to verify (``[B][drafts drawn]``, more than ``proposal`` keeps).
+    # Each row's confidences of the drafts it could verify, where the host read
+    # them to choose the drafts to verify (more than ``proposal`` keeps).
     confidences: Optional[list] = None
     reshaped: bool = False  # it also copied caches for rows joined or left
     # Launched after costs were timed, whose verifies of other lengths make

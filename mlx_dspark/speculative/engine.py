@@ -381,7 +381,7 @@ def speculative_generate_step(
                 for c in target_cache:
                     c.trim(num_verify + padding - accepted)
                 pacing.update(verified, accepted)
-                if accepted == verified == num_verify < num_drafts:
+                if next_token is not None and accepted == verified == num_verify < num_drafts:
                     pacing.expect(num_verify, logits)
                 drafter.commit(draft_cache, [h[:, : accepted + 1] for h in out.hidden], proposal)
                 confidence = predicted = None

@@ -139,7 +139,7 @@ class Pacing:
         were ``logits[first:]``, were drafted and not verified, and every
         verified one was accepted: they count at their calibrated
         confidences (``Acceptance.expect``)."""
-        rates = kept_rates(logits, self.scheduler.temperatures)[first:]
+        rates = kept_rates(logits, getattr(self.scheduler, "temperatures", None))[first:]
         self.acceptance.expect(first, rates)
         self.recent.expect(first, rates)
 
