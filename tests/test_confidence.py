@@ -948,8 +948,7 @@ def test_a_scheduler_named_per_call_keeps_what_it_learnt(tiny_pair, tmp_path, mo
     the next generation starts from the acceptance the last one learnt."""
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
     model, _ = tiny_pair
-    drafter = mlx_dspark.load_drafter(DSPARK, calibration=False)  # its own, fresh
-    assert drafter.scheduler.name != "cost"
+    drafter = mlx_dspark.load_drafter(DSPARK, calibration=False, scheduler="fixed")
     speculative(model, drafter, [65, 211, 266, 241], 30, scheduler="cost")
     scheduler = scheduler_for("cost", drafter)
     assert scheduler.recent_acceptance

@@ -56,9 +56,11 @@ def plain_greedy(model, max_tokens=40):
 
 
 def speculative(model, drafter, max_tokens=40):
+    """Every round with all its drafts (``fixed``), so that the statistics
+    say how well the converted drafter drafts."""
     stats = SpeculativeStats(drafter.name, drafter.block_size)
     steps = speculative_generate_step(
-        mx.array(PROMPT), model, drafter, max_tokens=max_tokens, stats=stats
+        mx.array(PROMPT), model, drafter, max_tokens=max_tokens, stats=stats, scheduler="fixed"
     )
     return [t for t, _, _ in steps], stats
 

@@ -630,3 +630,47 @@ def test_paced_sampling_keeps_the_targets_distribution(name, draft, verify):
     assert (drafted > 0) == (name == "padded")
     expected = exact_distribution(model, {"temp": 1.0}, {}, 3)
     assert goodness_of_fit(counts, expected) > ALPHA
+
+
+def test_without_a_scheduler_chosen_greedy_rounds_are_paced_and_park(monkeypatch, tmp_path):
+    """A drafter loaded without a scheduler, the Gemma-4 assistant (which
+    has none of its own) and a DSpark drafter alike, paces greedy rounds
+    under ``cost``: where the costs measured on this machine (injected:
+    drafting never pays, even if every draft were kept) say so, every round
+    decodes plainly, and the output is the target's."""
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+
+    def measured(timer, tokens=None, draft=True, repeats=REPEATS):
+        return RoundCosts(0.002 if draft else 0.0, [PARKED[n - 1] for n in tokens])
+
+    monkeypatch.setattr(RoundTimer, "__call__", measured)
+    pairs = [trained("gemma4", "dspark"), trained("gemma4", "dflash")]
+    pairs.append((case("dense")[1], drafter_for("dense")))
+    for model, drafter in pairs:
+        prompt = [65, 211, 266, 241, 234, 10, 325, 168]
+        stats = SpeculativeStats(drafter.name, drafter.block_size)
+        steps = speculative_generate_step(mx.array(prompt), model, drafter, max_tokens=24, stats=stats)
+        assert [t for t, _, _ in steps] == plain_greedy(model, prompt, 24)
+        assert stats.scheduler == "cost" and not any(r.drafts for r in stats.history)
+
+
+def test_without_a_scheduler_chosen_one_seed_samples_one_text():
+    """Sampled generations of a drafter loaded without a scheduler run
+    every round with all its drafts (``fixed``), so one seed gives one text
+    each time, as with mlx-lm's own decoding; under ``cost`` the rounds,
+    and so where the random numbers are drawn, follow the machine's
+    timings and the earlier generations."""
+    model, drafter = trained("gemma4", "dflash")
+    sampler = mlx_dspark.make_sampler(temp=0.8, top_p=0.95)
+    texts = []
+    for seed in (5, 5, 6):
+        mx.random.seed(seed)
+        stats = SpeculativeStats(drafter.name, drafter.block_size)
+        steps = speculative_generate_step(
+            mx.array([65, 211, 266, 241]), model, drafter, max_tokens=48, sampler=sampler,
+            stats=stats,
+        )
+        texts.append([t for t, _, _ in steps])
+        assert stats.scheduler == "fixed"
+        assert all(len(r.drafts) == r.proposed for r in stats.history)
+    assert texts[0] == texts[1] != texts[2]

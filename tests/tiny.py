@@ -9,6 +9,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma4, gemma4_text, qwen3
 
 from mlx_dspark import SpeculativeStats, speculative_generate_step
+from mlx_dspark.confidence.schedulers import ThresholdScheduler
 from mlx_dspark.drafters import gemma4_dspark, qwen3_dspark
 from mlx_dspark.drafters.deepspec import DeepSpecDrafter
 from mlx_dspark.drafters.deepspec_model import Model
@@ -197,7 +198,12 @@ def plain_greedy(model, prompt, max_tokens):
 
 
 def speculative(model, drafter, prompt, max_tokens, stats=None, **kwargs):
-    """The tokens of ``speculative_generate_step`` and its statistics."""
+    """The tokens of ``speculative_generate_step`` and its statistics; with
+    ``fixed`` rounds (every draft verified) where neither the call nor the
+    drafter chose a scheduler, as the tests of the engine's rounds expect."""
+    own = getattr(drafter, "scheduler", None)
+    if "scheduler" not in kwargs and getattr(own, "paces_sampling", False) is not True:
+        kwargs["scheduler"] = own if isinstance(own, ThresholdScheduler) else "fixed"
     if stats is None:
         stats = SpeculativeStats(drafter.name, drafter.block_size)
     steps = speculative_generate_step(

@@ -123,7 +123,12 @@ class CostScheduler:
     """Algorithm 1 for one request, with the round's measured costs: the
     verify of ``1 + ℓ`` tokens (padded, ``RoundCosts.cheapest_rows``) plus the draft, at
     the current depth. Without ``temperatures`` (a drafter without a
-    confidence head) every draft the engine's pacing asks for is verified."""
+    confidence head) every draft the engine's pacing asks for is verified.
+    Without ``paces_sampling`` a sampled generation runs ``fixed`` instead:
+    a paced one draws its random numbers where its rounds fall, which
+    follow this machine's timings and the drafter's earlier generations, so
+    one seed would give another text each time (greedy output is the
+    target's whatever the rounds)."""
 
     name = "cost"
 
@@ -132,7 +137,9 @@ class CostScheduler:
         temperatures: Optional[Sequence[float]],
         cache_profiles: bool = True,
         clock: Optional[Callable[[], float]] = time.perf_counter,
+        paces_sampling: bool = True,
     ):
+        self.paces_sampling = paces_sampling
         self.temperatures = None if temperatures is None else list(temperatures)
         self.needs_confidence = temperatures is not None
         self.cache_profiles = cache_profiles
@@ -190,10 +197,18 @@ def make_scheduler(
     has_confidence: bool,
     where: str,
 ):
-    """The scheduler a DeepSpec drafter is loaded with (``None``: ``threshold``
-    when a threshold is given, else ``fixed``)."""
+    """The scheduler a drafter is loaded with. ``None``: ``threshold`` when a
+    threshold is given, else ``cost`` for greedy decoding, which reads the
+    drafter's confidences only where they are calibrated, and ``fixed`` when
+    sampling (``CostScheduler.paces_sampling``). (``fixed`` was the default
+    for both: on an H200 a 4-bit 12B target with the Gemma-4 assistant at
+    chat acceptance ran at 0.67x of plain decoding under it, 1.29x under
+    ``cost``.)"""
+    if name is None and threshold <= 0:
+        temperatures = calibration.temperatures if calibration and has_confidence else None
+        return CostScheduler(temperatures, paces_sampling=False)
     if name is None:
-        name = "threshold" if threshold > 0 else "fixed"
+        name = "threshold"
     if name not in SCHEDULERS:
         raise ValueError(
             f"scheduler must be one of {', '.join(SCHEDULERS)}, got {name!r}."
@@ -237,19 +252,19 @@ _named = weakref.WeakKeyDictionary()
 
 def scheduler_for(choice, drafter):
     """The scheduler for one generation: ``None`` (the drafter's own, or
-    ``fixed``), a name (the same object each generation of this drafter),
-    or a scheduler object."""
-    if choice is None:
-        return getattr(drafter, "scheduler", None) or FixedScheduler()
-    if not isinstance(choice, str):
-        return choice
+    the default of ``make_scheduler``), a name (the same object each
+    generation of this drafter), or a scheduler object."""
     own = getattr(drafter, "scheduler", None)
+    if choice is None and own is not None:
+        return own
+    if choice is not None and not isinstance(choice, str):
+        return choice
     if choice == "threshold" and not isinstance(own, ThresholdScheduler):
         raise ValueError(
             "The threshold scheduler takes its threshold from the drafter: load "
             "it with confidence_threshold (--draft-confidence-threshold)."
         )
-    if own is not None and own.name == choice:
+    if own is not None and own.name == choice and getattr(own, "paces_sampling", True):
         return own
     try:
         named = _named.setdefault(drafter, {})

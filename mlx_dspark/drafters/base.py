@@ -60,7 +60,7 @@ class Drafter(Protocol):
     max_draft_tokens: int  # the most drafts per round it accepts
     taps: Sequence  # target taps it consumes (see targets.base.TargetOutput)
     # Optional: how many drafts to verify (mlx_dspark.confidence.schedulers);
-    # without one, all of them.
+    # without one, make_scheduler's default.
     scheduler: object
 
     def check_target(self, target) -> None:

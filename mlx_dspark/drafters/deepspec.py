@@ -84,7 +84,7 @@ class DeepSpecDrafter:
             threshold). ``0`` verifies every draft.
         scheduler: ``"fixed"``, ``"threshold"`` or ``"cost"`` (see
             ``mlx_dspark.confidence.schedulers``); by default ``threshold``
-            when a threshold is given, else ``fixed``.
+            when a threshold is given, else ``cost`` (``make_scheduler``).
         calibration: The confidence head's STS calibration, if any.
         fingerprint: Identifies the checkpoint (for calibrations and
             cost profiles).

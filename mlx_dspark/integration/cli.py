@@ -35,7 +35,8 @@ mlx-dspark (hidden-state speculative drafters, e.g. DeepSeek DSpark/DFlash):
   --draft-scheduler {fixed,threshold,cost}
                                  drafts verified per round (DSpark): all, up to
                                  the threshold, or as many as maximise expected
-                                 tokens/s on this machine (measured costs)
+                                 tokens/s on this machine (measured costs);
+                                 default cost when greedy, fixed when sampling
   --draft-calibration FILE       the confidence calibration to use (default:
                                  the one `mlx_dspark calibrate` saved, if any)
   --draft-kv-view {transformers,clean}

@@ -24,7 +24,7 @@ from mlx_lm.generate import generation_stream
 from ..cache import rollback_depth
 from ..confidence.calibration import survival
 from ..confidence.costs import live_timer, verify_rows
-from ..confidence.schedulers import scheduler_for
+from ..confidence.schedulers import FixedScheduler, scheduler_for
 from ..plugins import find_target_adapter
 from ..validation import (
     check,
@@ -183,7 +183,10 @@ def speculative_generate_step(
     check_processors(logits_processors)
     target = adapt_target(model, drafter)
     prompt = check_prompt(prompt, target.vocab_size)
+    decoding = Decoding(sampler, tuple(logits_processors or ()))
     scheduler = scheduler_for(scheduler, drafter)
+    if decoding.rule != "greedy" and not getattr(scheduler, "paces_sampling", True):
+        scheduler = FixedScheduler()
     # Padded verifies need rows to pad into (and measured costs for them).
     rows = num_draft_tokens + 1
     if scheduler.name == "cost":
@@ -192,7 +195,6 @@ def speculative_generate_step(
         prompt_cache, target, drafter, num_draft_tokens, rows
     )
     rows = min(rows, _rollback_capacity(target_cache, rows))
-    decoding = Decoding(sampler, tuple(logits_processors or ()))
     rule, spec = decoding.rule, decoding.spec
     if stats is None:
         stats = SpeculativeStats(drafter.name, block_size)
