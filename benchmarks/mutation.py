@@ -1122,9 +1122,45 @@ MUTANTS = [
     Mutant(
         "refused drafts count at their raw confidences, not the calibrated ones",
         "mlx_dspark/speculative/pacing.py",
-        "        rates = kept_rates(logits, self.scheduler.temperatures)[first:]\n",
+        "        rates = kept_rates(logits, getattr(self.scheduler, \"temperatures\", None))[first:]\n",
         "        rates = kept_rates(logits)[first:]\n",
         ("tests/test_pacing.py", "-k", "refuse_its_drafts"),
+    ),
+    # Session 24: what a reviewer's mutants showed the first tests missed.
+    Mutant(
+        "a single stream counts refused drafts after rejecting a verified one",
+        "mlx_dspark/speculative/engine.py",
+        "                if next_token is not None and accepted == verified == num_verify < num_drafts:\n",
+        "                if num_verify < num_drafts:\n",
+        ("tests/test_pacing.py", "-k", "refused_drafts_count_only"),
+    ),
+    Mutant(
+        "a stream's refused drafts take the temperatures of the first positions",
+        "mlx_dspark/speculative/pacing.py",
+        "        rates = kept_rates(logits, getattr(self.scheduler, \"temperatures\", None))[first:]\n",
+        "        rates = kept_rates(logits[first:], getattr(self.scheduler, \"temperatures\", None))\n",
+        ("tests/test_pacing.py", "-k", "refused_drafts_count_only"),
+    ),
+    Mutant(
+        "a stream's refused drafts are not kept for the drafter's later generations",
+        "mlx_dspark/speculative/pacing.py",
+        "        self.recent.expect(first, rates)\n",
+        "        pass\n",
+        ("tests/test_pacing.py", "-k", "refused_drafts_count_only"),
+    ),
+    Mutant(
+        "a batch row's refused drafts take the temperatures of the first positions",
+        "mlx_dspark/batching/generator.py",
+        "            rates = kept_rates(confidence, self.drafter.calibration.temperatures)[first:]\n",
+        "            rates = kept_rates(confidence[first:], self.drafter.calibration.temperatures)\n",
+        ("tests/test_batching.py", "-k", "refused_drafts"),
+    ),
+    Mutant(
+        "a batch row's refused drafts are not kept for later requests",
+        "mlx_dspark/batching/generator.py",
+        "            self._recent.expect(first, rates)\n",
+        "            pass\n",
+        ("tests/test_batching.py", "-k", "refused_drafts"),
     ),
 ]
 

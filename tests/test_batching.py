@@ -2143,6 +2143,44 @@ def test_a_batch_counts_no_draft_its_confidences_did_not_refuse(monkeypatch):
     assert expected == []
 
 
+def test_each_rows_refused_drafts_count_at_their_own_positions_confidences(monkeypatch):
+    """Two rows draft every round, verify their first two drafts and refuse
+    the rest. Each refused draft counts at its own position's calibrated
+    confidence, ``σ(z_j / T_j)``, in its row's acceptance and in the one
+    later requests start from (``Acceptance.expect``)."""
+    model, drafter = trained("gemma4")
+    drafter = calibrated(drafter)
+    temperatures = drafter.calibration.temperatures
+    logits = [2.0, 1.0, -0.5, -1.5]
+    propose = drafter.propose_batch
+
+    def confident(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        rows, k = proposal.tokens.shape
+        proposal.confidence = mx.array([logits[:k]] * rows)
+        return proposal
+
+    monkeypatch.setattr(drafter, "propose_batch", confident)
+    counted, expect = [], Acceptance.expect
+    monkeypatch.setattr(
+        Acceptance, "expect", lambda self, first, rates: counted.append((self, first, rates))
+        or expect(self, first, rates)
+    )
+    policy = untimed_cost_policy(RoundCosts(draft=0.002, verify=[0.010] + [0.0101] * 4))
+    policy.truncate = lambda survival, caps, depth, batch=None: min(2, max(caps))
+    generator = SpeculativeBatchGenerator(model, drafter, policy=policy)
+    prompts = [[65, 211, 266, 241], [7, 300, 12, 99, 45]]
+    tokens, _ = run(generator, [(0, p, dict(max_tokens=[48])) for p in prompts])
+    assert [tokens[i] for i in range(2)] == [plain_greedy(model, p, 48) for p in prompts]
+    kept = [1 / (1 + math.exp(-z / t)) for z, t in zip(logits, temperatures)]
+    recent = [(first, rates) for a, first, rates in counted if a is generator._recent]
+    by_rows = [(a, first, rates) for a, first, rates in counted if a is not generator._recent]
+    assert len({id(a) for a, _, _ in by_rows}) == 2  # both rows refused drafts
+    assert [(first, rates) for _, first, rates in by_rows] == recent
+    for _, first, rates in by_rows:
+        assert first == 2 and rates == pytest.approx(kept[first : first + len(rates)])
+
+
 def test_one_slow_round_does_not_park_the_policy():
     """Drafting pays on paper and in practice (rounds take what was
     measured), but one drafting round takes ten times as long (the machine

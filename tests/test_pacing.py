@@ -2,6 +2,7 @@
 and adaptive drafts, on injected cost curves (never this machine's speed)."""
 
 import itertools
+import math
 import random
 import statistics
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
-from mlx_dspark.batching.policy import REPROBE_AT_MOST, REPROBE_EVERY
+from mlx_dspark.batching.policy import REPROBE_AT_MOST, REPROBE_EVERY, Acceptance
 from mlx_dspark.confidence.costs import REPEATS, RoundCosts, RoundTimer, verify_rows
 from mlx_dspark.confidence.schedulers import CostScheduler
 from mlx_dspark.speculative import engine
@@ -343,6 +344,56 @@ def test_a_stream_whose_confidences_refuse_its_drafts_stops_drafting(monkeypatch
     drafted = [bool(r.drafts) for r in stats.history]
     assert all(drafted[:10]) and not any(r.proposed for r in stats.history)
     assert sum(drafted[48:]) <= 48 // REPROBE_EVERY
+
+
+class FirstTwoDrafts(TableCostScheduler):
+    """Verifies a round's first two drafts, whatever their confidences."""
+
+    def choose(self, logits, depth, timer):
+        return min(2, len(logits))
+
+
+def test_refused_drafts_count_only_after_every_verified_one_was_kept(monkeypatch):
+    """Each round verifies its first two drafts and refuses the rest. A
+    round that kept both (and stopped at no stop token) counts each refused
+    draft at its own position's calibrated confidence, ``σ(z_j / T_j)``, in
+    the generation's acceptance and in the one the drafter's later
+    generations start from; a round that rejected a verified draft counts
+    none."""
+    model, drafter = trained("gemma4", "dspark")
+    logits, temperatures = [2.0, 1.0, -0.5, -1.5], [1.0, 0.5, 2.0, 4.0]
+    assert drafter.block_size == len(logits)
+    scheduler = FirstTwoDrafts(temperatures, 0.001, [0.010] + [0.0105] * 15)
+    propose = drafter.propose
+
+    def confident(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        proposal.confidence = mx.array(logits[: proposal.tokens.size])
+        return proposal
+
+    monkeypatch.setattr(drafter, "propose", confident)
+    counted, expect = [], Acceptance.expect
+    monkeypatch.setattr(
+        Acceptance, "expect", lambda self, first, rates: counted.append((self, first, rates))
+        or expect(self, first, rates)
+    )
+    prompt = [65, 211, 266, 241, 234, 10, 325, 168]
+    ours, stats = speculative(model, drafter, prompt, 64, scheduler=scheduler)
+    assert ours == plain_greedy(model, prompt, 64)
+    drafting = [r for r in stats.history if r.drafts]
+    refusing = [
+        r for r in drafting
+        if r.accepted == r.proposed < len(r.drafts) and r.next_token is not None
+    ]
+    assert refusing and any(r.accepted < r.proposed for r in drafting)
+    kept = [1 / (1 + math.exp(-z / t)) for z, t in zip(logits, temperatures)]
+    expected = [(r.proposed, kept[r.proposed : len(r.drafts)]) for r in refusing]
+    recent = scheduler.recent_acceptance[drafter.block_size]
+    for generation in (False, True):
+        calls = [(first, rates) for a, first, rates in counted if (a is not recent) == generation]
+        assert [first for first, _ in calls] == [first for first, _ in expected]
+        for (_, rates), (_, want) in zip(calls, expected):
+            assert rates == pytest.approx(want)
 
 
 def verify_rows_seen(monkeypatch):
