@@ -17,11 +17,13 @@ DEEPSPEC_TINY = FIXTURES / "deepspec-tiny"
 # (tests/test_mlx_lm_upstream.py).
 collect_ignore = ["mlx_lm_upstream"]
 
-# "ci" (the default) keeps the whole suite to a few minutes on two cores;
-# HYPOTHESIS_PROFILE=thorough explores far more examples.
+# "ci" (the default) keeps the whole suite to a few minutes on two cores,
+# with the same examples each run (a CI run fails for a change, not for a
+# draw); HYPOTHESIS_PROFILE=thorough explores far more, new ones each run.
 settings.register_profile(
     "ci",
     max_examples=12,
+    derandomize=True,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
