@@ -67,6 +67,7 @@ from test_sampling import (
 )
 from tiny import (
     Clock,
+    counted_expectations,
     cut_at_stop,
     from_drafts,
     gemma4_text_args,
@@ -2161,11 +2162,7 @@ def test_each_rows_refused_drafts_count_at_their_own_positions_confidences(monke
         return proposal
 
     monkeypatch.setattr(drafter, "propose_batch", confident)
-    counted, expect = [], Acceptance.expect
-    monkeypatch.setattr(
-        Acceptance, "expect", lambda self, first, rates: counted.append((self, first, rates))
-        or expect(self, first, rates)
-    )
+    counted = counted_expectations(monkeypatch)
     policy = untimed_cost_policy(RoundCosts(draft=0.002, verify=[0.010] + [0.0101] * 4))
     policy.truncate = lambda survival, caps, depth, batch=None: min(2, max(caps))
     generator = SpeculativeBatchGenerator(model, drafter, policy=policy)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
-from mlx_dspark.batching.policy import REPROBE_AT_MOST, REPROBE_EVERY, Acceptance
+from mlx_dspark.batching.policy import REPROBE_AT_MOST, REPROBE_EVERY
 from mlx_dspark.confidence.costs import REPEATS, RoundCosts, RoundTimer, verify_rows
 from mlx_dspark.confidence.schedulers import CostScheduler
 from mlx_dspark.speculative import engine
@@ -25,6 +25,7 @@ from test_assistant import case, drafter_for
 from test_confidence import TableCostScheduler
 from test_lossless import plain_greedy, speculative, trained
 from test_sampling import ALPHA, PROMPT, exact_distribution, sample_runs
+from tiny import counted_expectations
 
 # The 4-bit Gemma-4-12B target on an H200 (issue #14, ms): 7 rows cost
 # twice as much as 8.
@@ -372,11 +373,7 @@ def test_refused_drafts_count_only_after_every_verified_one_was_kept(monkeypatch
         return proposal
 
     monkeypatch.setattr(drafter, "propose", confident)
-    counted, expect = [], Acceptance.expect
-    monkeypatch.setattr(
-        Acceptance, "expect", lambda self, first, rates: counted.append((self, first, rates))
-        or expect(self, first, rates)
-    )
+    counted = counted_expectations(monkeypatch)
     prompt = [65, 211, 266, 241, 234, 10, 325, 168]
     ours, stats = speculative(model, drafter, prompt, 64, scheduler=scheduler)
     assert ours == plain_greedy(model, prompt, 64)

@@ -9,6 +9,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma4, gemma4_text, qwen3
 
 from mlx_dspark import SpeculativeStats, speculative_generate_step
+from mlx_dspark.batching.policy import Acceptance
 from mlx_dspark.confidence.schedulers import ThresholdScheduler
 from mlx_dspark.drafters import gemma4_dspark, qwen3_dspark
 from mlx_dspark.drafters.deepspec import DeepSpecDrafter
@@ -266,3 +267,16 @@ def pick_stops(tokens, flags, where, picks):
         "first": [0],
     }.get(where) or range(n)
     return {tokens[positions[p % len(positions)]] for p in picks}
+
+
+def counted_expectations(monkeypatch):
+    """Every ``Acceptance.expect`` call from now on (each still made), as
+    ``(acceptance, first, rates)``."""
+    counted, expect = [], Acceptance.expect
+
+    def counting(self, first, rates):
+        counted.append((self, first, rates))
+        expect(self, first, rates)
+
+    monkeypatch.setattr(Acceptance, "expect", counting)
+    return counted
