@@ -412,6 +412,9 @@ def test_server_lists_models_not_drafters_and_logs_statistics(servers):
     speculative, _ = servers
     ids = [m["id"] for m in speculative.get("/v1/models")["data"]]
     assert ids == [str(TARGET.resolve())]
+    # Its own request: under pytest-xdist this worker's server may have
+    # served no other test's yet.
+    speculative.post("/v1/completions", {"prompt": "w5 w6 w7", "max_tokens": 8})
     assert "Speculative decoding: dspark (greedy):" in speculative.log.read_text()
 
 
