@@ -1156,6 +1156,14 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "refused_drafts"),
     ),
     Mutant(
+        "mlx_dspark costs measures a single stream with other drafts a round than it runs",
+        "mlx_dspark/batching/measure.py",
+        "prompt, model, drafter, max_tokens=STREAM_TOKENS_AT_MOST, scheduler=scheduler\n",
+        "prompt, model, drafter, max_tokens=STREAM_TOKENS_AT_MOST, scheduler=scheduler,\n"
+        "            num_draft_tokens=drafter.block_size - 1,\n",
+        ("tests/test_costs_command.py", "-k", "single_stream"),
+    ),
+    Mutant(
         "a batch row's refused drafts are not kept for later requests",
         "mlx_dspark/batching/generator.py",
         "            self._recent.expect(first, rates)\n",

@@ -31,7 +31,8 @@ usage: mlx_dspark {generate,server,convert,calibrate,doctor,costs,prepare,train,
   convert    write a quantized (--q-bits) or re-typed (--dtype) drafter
   calibrate  fit a DSpark drafter's confidence calibration (STS) on prompts
   doctor     check the install and a pair, and whether speculation pays here
-  costs      measure ahead the round costs the server's batch policy needs
+  costs      measure ahead the round costs the cost scheduler and the
+             server's batch policy need
   prepare    record a target's answers and hidden states for training
   train      train a DSpark or DFlash drafter for a target
   evaluate   report drafters' acceptance length tau on prompts

@@ -1,9 +1,12 @@
 """``mlx_dspark costs``: what it measures ahead is what the server's batch
-policy reads, so the server's first requests measure nothing."""
+policy and a single stream's ``cost`` scheduler read, so their first
+requests measure nothing."""
 
+import mlx.core as mx
 import pytest
 from mlx_lm import load
 
+from mlx_dspark import SpeculativeStats, speculative_generate_step
 from mlx_dspark.batching import measure
 from mlx_dspark.checkpoints import load_drafter
 from mlx_dspark.integration.batch import ServerBatchGenerator
@@ -39,13 +42,40 @@ def test_costs_measured_ahead_are_the_ones_the_servers_batch_policy_reads(
     assert measure.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" (")[0] for line in lines] == [
-        "batch   1, depth bucket    512", "batch   2, depth bucket    512"
+        "a single stream, depth bucket    512",
+        "batch   1, depth bucket    512",
+        "batch   2, depth bucket    512",
     ]
     assert all("measured in" in line for line in lines)
     assert serve_two_requests(model, drafter) == 0
 
     assert measure.main(argv) == 0  # measured once per machine
     assert all("(kept)" in line for line in capsys.readouterr().out.splitlines())
+
+
+def stream_timings(model, drafter) -> int:
+    """A greedy generation under the scheduler a drafter is loaded with by
+    default (``cost``); how many times its profile timed costs."""
+    stats = SpeculativeStats(drafter.name, drafter.block_size)
+    steps = speculative_generate_step(
+        mx.array(list(range(5, 45))), model, drafter, max_tokens=24, stats=stats
+    )
+    assert len(list(steps)) == 24 and stats.scheduler == "cost"
+    return sum(profile.timings for profile in drafter.scheduler.profiles.values())
+
+
+def test_costs_measured_ahead_are_the_ones_a_single_streams_first_generation_reads(
+    monkeypatch, tmp_path, capsys
+):
+    model, _ = load(str(TARGET))
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "fresh"))
+    assert stream_timings(model, load_drafter(str(DSPARK))) > 0  # a fresh machine measures
+
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "ahead"))
+    argv = ["--model", str(TARGET), "--draft-model", str(DSPARK), "--batch", "1", "--context", "512"]
+    assert measure.main(argv) == 0
+    assert "a single stream, depth bucket    512 (measured in" in capsys.readouterr().out
+    assert stream_timings(model, load_drafter(str(DSPARK))) == 0
 
 
 def test_depth_buckets_up_to_the_context():

@@ -1,5 +1,6 @@
 """``mlx_dspark costs``: measure ahead what ``mlx_lm.server``'s batch policy
-measures over its first requests.
+measures over its first requests, and what a single stream's ``cost``
+scheduler measures over its first generation.
 
 With a drafter, the server's ``cost`` policy chooses each round's drafts from
 the costs of a round for the batch's size at its context depth, measured on
@@ -12,10 +13,19 @@ each depth bucket up to ``--context``, it prefills that many random prompts
 to three quarters of the bucket and times the rounds there, into the same
 profile the server reads. Profiles are kept for a week, per target, drafter,
 MLX version and device (``confidence.costs``).
+
+A single stream (``mlx_lm.generate``, ``stream_generate``, the server one
+request at a time) decodes greedily under ``cost`` by default, and measures
+its own costs over its first rounds at each depth bucket, a few verify
+lengths a round: on an H200 a fresh machine's first 256-token generation at
+12B shapes decoded at 0.31-0.48x of plain decoding, the next one at
+0.90-1.02x. This command runs such a generation at each bucket, on a random
+prompt, until its costs are measured.
 """
 
 import argparse
 import gc
+import itertools
 import random
 import sys
 import time
@@ -23,7 +33,9 @@ import time
 import mlx.core as mx
 
 from ..confidence.costs import depth_bucket, launch_settings_for_speculation
+from ..confidence.schedulers import CostScheduler
 from ..progress import progress
+from ..speculative.engine import speculative_generate_step
 from .generator import SpeculativeBatchGenerator
 from .policy import FixedPolicy
 
@@ -76,12 +88,61 @@ def measure_ahead(model, drafter, batches, context: int, vocab_size: int, seed: 
             yield batch, bucket, costs, time.perf_counter() - tic
 
 
+# A single stream measures two verify lengths a round, three passes over them
+# all: far fewer tokens than this.
+STREAM_TOKENS_AT_MOST = 4096
+
+
+class _KeepsTimer(CostScheduler):
+    """The ``cost`` scheduler, keeping the timer the engine hands it (its
+    key is the profile's)."""
+
+    timer = None
+
+    def profile(self, timer):
+        self.timer = timer
+        return super().profile(timer)
+
+
+def measure_stream_ahead(model, drafter, context: int, vocab_size: int, seed: int = 0):
+    """Yield ``(bucket, RoundCosts, seconds)`` for every depth bucket up to
+    ``context``: a single greedy stream's costs with the drafter's default
+    drafts a round, measured by a generation on a random prompt (``seconds``)
+    unless the profile on disk has them (``seconds`` ``None``)."""
+    rng = random.Random(seed)
+    for bucket in buckets(context):
+        depth = bucket * 3 // 4
+        prompt = mx.array([rng.randrange(vocab_size) for _ in range(depth)], mx.uint32)
+        scheduler, costs = _KeepsTimer(None), None
+        tic = time.perf_counter()
+        steps = speculative_generate_step(
+            prompt, model, drafter, max_tokens=STREAM_TOKENS_AT_MOST, scheduler=scheduler
+        )
+        for _ in steps:
+            if scheduler.timer is not None:
+                profile = scheduler.profile(scheduler.timer)
+                costs = profile.measured(depth, scheduler.timer)
+                if costs is not None:
+                    break
+        steps.close()
+        if costs is None:
+            raise RuntimeError(
+                f"a single stream's costs at depth {depth} were not measured in "
+                f"{STREAM_TOKENS_AT_MOST} tokens"
+            )
+        seconds = time.perf_counter() - tic if profile.timings else None
+        gc.collect()
+        mx.clear_cache()
+        yield bucket, costs, seconds
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mlx_dspark costs",
         description="Measure this machine's round costs for mlx_lm.server with a "
-        "drafter (the cost batch policy) before it serves, so that its first "
-        "requests at each batch size and context depth do not pay for them.",
+        "drafter (the cost batch policy) before it serves, and for a single "
+        "stream (mlx_lm.generate), so that their first requests at each batch "
+        "size and context depth do not pay for them.",
     )
     p.add_argument("--model", required=True, help="the target (path or Hub id)")
     p.add_argument("--draft-model", required=True, help="the drafter (path or Hub id)")
@@ -122,8 +183,16 @@ def main(argv=None) -> int:
         print(f"mlx_dspark costs: error: {e}", file=sys.stderr)
         return 2
     batches = sorted(set(args.batch))
-    jobs = len(batches) * len(buckets(args.context))
-    measured = measure_ahead(model, drafter, batches, args.context, tokenizer.vocab_size)
+    jobs = (len(batches) + 1) * len(buckets(args.context))
+    streams = (
+        ("stream", bucket, costs, seconds)
+        for bucket, costs, seconds in measure_stream_ahead(
+            model, drafter, args.context, tokenizer.vocab_size
+        )
+    )
+    measured = itertools.chain(
+        streams, measure_ahead(model, drafter, batches, args.context, tokenizer.vocab_size)
+    )
     try:
         for batch, bucket, costs, seconds in progress(measured, total=jobs, desc="measuring"):
             report(batch, bucket, costs, seconds)
@@ -140,8 +209,9 @@ def main(argv=None) -> int:
 def report(batch, bucket, costs, seconds) -> None:
     verify = " ".join(f"{1e3 * c:.1f}" for c in costs.verify)
     how = "kept" if seconds is None else f"measured in {seconds:.1f} s"
+    rounds = "a single stream" if batch == "stream" else f"batch {batch:>3}"
     print(
-        f"batch {batch:>3}, depth bucket {bucket:>6} ({how}): "
+        f"{rounds}, depth bucket {bucket:>6} ({how}): "
         f"draft {1e3 * costs.draft:.1f} ms, verify of 1..{len(costs.verify)} "
         f"tokens a sequence {verify} ms",
         flush=True,

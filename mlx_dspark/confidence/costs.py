@@ -368,14 +368,20 @@ class CostProfile:
             self._write()
         return RoundCosts(entry["draft"], entry["verify"])
 
+    def measured(self, depth: int, timer: RoundTimer) -> Optional[RoundCosts]:
+        """A single stream's whole measurement at ``depth``, or ``None``."""
+        entry = self.entries.get(self._entry_for(depth, None, timer.verify_rows))
+        if self._usable(entry, timer.verify_rows):
+            return RoundCosts(entry["draft"], entry["verify"])
+        return None
+
     def known(self, depth: int, timer: RoundTimer) -> Optional[RoundCosts]:
         """What is measured at ``depth`` so far, measuring nothing: the whole
         measurement, the part under way, or ``None``."""
-        key = self._entry_for(depth, None, timer.verify_rows)
-        entry = self.entries.get(key)
-        if self._usable(entry, timer.verify_rows):
-            return RoundCosts(entry["draft"], entry["verify"])
-        under_way = self._under_way(key)
+        measured = self.measured(depth, timer)
+        if measured is not None:
+            return measured
+        under_way = self._under_way(self._entry_for(depth, None, timer.verify_rows))
         return under_way and under_way.fastest
 
     def _entry_for(self, depth: int, batch: Optional[int], tokens: int) -> str:
