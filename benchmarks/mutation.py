@@ -1164,6 +1164,13 @@ MUTANTS = [
         ("tests/test_costs_command.py", "-k", "single_stream"),
     ),
     Mutant(
+        "a fresh stream parked on its prior waits REPROBE_EVERY rounds for its first probe",
+        "mlx_dspark/speculative/pacing.py",
+        "            BatchPolicy(probe_first=True),\n",
+        "            BatchPolicy(),\n",
+        ("tests/test_pacing.py", "-k", "probes_its_acceptance_at_once"),
+    ),
+    Mutant(
         "a batch row's refused drafts are not kept for later requests",
         "mlx_dspark/batching/generator.py",
         "            self._recent.expect(first, rates)\n",

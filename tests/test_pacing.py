@@ -73,12 +73,13 @@ def test_a_jagged_curve_pads_and_parks():
     for _ in range(40):
         pacing.update(6, 6)
     assert all(pacing.drafts(6, 2048) for _ in range(3 * REPROBE_EVERY))
-    # Without padding, the same good acceptance parks.
+    # Without padding, the same good acceptance parks (after the probe of a
+    # stream that never drafted).
     unpadded = Pacing(TableCostScheduler(None, 0.004, FOUR_BIT), None, 6)
     unpadded.scheduler.costs = lambda depth, timer, most=None: RoundCosts(0.004, FOUR_BIT)
     for _ in range(40):
         unpadded.update(6, [2, 1, 3, 6, 0, 1, 2, 3, 0, 4][_ % 10])
-    assert unpadded.drafts(6, 2048) == 0
+    assert [unpadded.drafts(6, 2048) for _ in range(2)] == [6, 0]
 
 
 # A 4-bit 12B target's verify costs (ms) for 1-16 rows and a DSpark draft's,
@@ -101,6 +102,22 @@ def parked_share(kept: float, seed: int, rounds: int = 1000) -> float:
         pacing.update(drafts, accepted)
         parked += drafts == 0
     return parked / rounds
+
+
+def test_a_stream_that_never_drafted_probes_its_acceptance_at_once():
+    """On the 4-bit curve the prior acceptance (0.5 a draft) does not pay
+    for drafting, so a fresh stream parks; it probes in its first round, not
+    after ``REPROBE_EVERY`` parked ones, and a drafter whose drafts are kept
+    drafts from then on. (Parked on the prior, an ``mlx_lm.generate`` run on
+    the H200 first probed after 255 rounds.) A stream of the same drafter
+    later in the process starts from what the first one learnt."""
+    scheduler = TableCostScheduler(None, 0.0037, [ms / 1000 for ms in DSPARK_4BIT])
+    for _ in range(2):
+        pacing, choices = Pacing(scheduler, None, 7), []
+        for _ in range(REPROBE_EVERY):
+            choices.append(pacing.drafts(7, 2048))
+            pacing.update(choices[-1], choices[-1])
+        assert choices == [7] * REPROBE_EVERY
 
 
 def test_a_stream_where_drafting_pays_by_a_fifth_seldom_parks():

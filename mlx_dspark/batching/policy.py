@@ -332,12 +332,21 @@ class BatchPolicy:
             ``batch`` sequences at context depth ``depth``; by default the
             generator measures them on its live caches
             (``SpeculativeBatchGenerator.measured_costs``).
+        probe_first: A policy that never drafted probes at its first parked
+            round, not only after ``REPROBE_EVERY``: it knows no acceptance
+            but its prior. For a single stream, whose process may decode
+            one generation only (``mlx_lm.generate``): on an H200 a fresh
+            4-bit 12B stream parked on the prior first probed after 255
+            rounds, longer than many a whole generation.
     """
 
     name = "cost"
 
-    def __init__(self, costs: Optional[Callable[[int, int], RoundCosts]] = None):
+    def __init__(
+        self, costs: Optional[Callable[[int, int], RoundCosts]] = None, probe_first: bool = False
+    ):
         self.costs = costs
+        self.probe_first = probe_first
         self.parked = 0
         self.drafting = 0
         # (batch size, drafted) -> seconds a round takes beyond its
@@ -413,7 +422,8 @@ class BatchPolicy:
                     loss = costs.verify[hopeful] + costs.draft - tokens * plain / len(caps)
                     loss += 2 * self.switch_cost / length
                     self._reprobe = reprobe_every(loss, plain, length)
-                if _probing(self.parked, length, self._reprobe):
+                first = self.probe_first and self.drafting == 0 and self.parked <= length
+                if first or _probing(self.parked, length, self._reprobe):
                     k = hopeful
         predicted = measured.verify[k] + (measured.draft if k else 0.0)
         self._chosen.append((batch, k, k > 0, predicted))

@@ -62,7 +62,8 @@ class Pacing:
         )
         self.acceptance = self.recent.newcomer()
         self.policy = scheduler.paced_policies.setdefault(
-            (drafts, getattr(timer, "key", None), threading.get_ident()), BatchPolicy()
+            (drafts, getattr(timer, "key", None), threading.get_ident()),
+            BatchPolicy(probe_first=True),
         )
         self._chosen = self.policy.restart()
         self.clock = scheduler.clock
