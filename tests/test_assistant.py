@@ -318,3 +318,24 @@ def test_qwen3_target_is_refused():
     model, _ = load(str(FIXTURES / "deepspec-qwen3-tiny" / "target_tiny_qwen3"))
     with pytest.raises(ValueError, match="drafts for Gemma-4 targets, not qwen3"):
         next(speculative_generate_step(mx.array([5, 6]), model, drafter_for("dense")))
+
+
+def test_the_scheduler_chosen_at_load_runs_the_rounds():
+    """``--draft-scheduler`` reaches an assistant as it reaches a DeepSpec
+    drafter: loaded with ``fixed``, every round drafts its whole block
+    (where the default, ``cost``, paces the rounds); ``threshold`` is refused,
+    an assistant having no confidences to read."""
+    oracle, model = case("dense")
+    drafter = drafter_for("dense", scheduler="fixed")
+    prompt, expected = oracle["prompt"], oracle["plain_greedy_output"]
+    stats = mlx_dspark.SpeculativeStats(drafter.name, drafter.block_size)
+    steps = speculative_generate_step(
+        mx.array(prompt), model, drafter, max_tokens=len(expected) - len(prompt), stats=stats
+    )
+    assert [t for t, _, _ in steps] == expected[len(prompt) :]
+    assert stats.scheduler == "fixed"
+    # Every round drafts but, at most, the last (one token left to emit).
+    assert sum(not r.drafts for r in stats.history) <= 1
+    assert drafter_for("dense").scheduler.name == "cost"
+    with pytest.raises(ValueError, match="no confidence head"):
+        drafter_for("dense", scheduler="threshold")

@@ -215,7 +215,7 @@ def make_scheduler(
         )
     if name == "threshold" and not has_confidence:
         raise ValueError(
-            f"{where} has no confidence head (a DFlash drafter), so it cannot use "
+            f"{where} has no confidence head (a DFlash drafter, or a Gemma-4 assistant), so it cannot use "
             "the threshold scheduler; use fixed or cost (and confidence_threshold 0)."
         )
     if name == "threshold" and threshold <= 0:

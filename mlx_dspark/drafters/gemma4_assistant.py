@@ -37,6 +37,7 @@ from ..checkpoints import (
     shape_problems,
     tensor_shapes,
 )
+from ..confidence.schedulers import make_scheduler
 from ..plugins import DrafterKind, architecture, hookimpl
 from ..targets.base import FINAL
 from ..validation import check, problem
@@ -396,6 +397,9 @@ class AssistantDrafter:
             ``"clean"`` hands only accepted positions: the target's own
             sliding window at the anchor, and every earlier position for the
             full layer.
+        scheduler: ``"fixed"`` or ``"cost"`` (it has no confidences for
+            ``threshold``); by default ``cost`` for greedy decoding and
+            ``fixed`` when sampling (``make_scheduler``).
     """
 
     name = "assistant"
@@ -403,7 +407,10 @@ class AssistantDrafter:
     batch_cache = BatchAssistantState
     max_draft_tokens = MAX_DRAFT_TOKENS
 
-    def __init__(self, model: Model, path: Path, block_size: int, kv_view: str):
+    def __init__(
+        self, model: Model, path: Path, block_size: int, kv_view: str,
+        scheduler: Optional[str] = None,
+    ):
         if kv_view not in KV_VIEWS:
             raise ValueError(
                 f"kv_view must be one of {', '.join(KV_VIEWS)}, got {kv_view!r}."
@@ -412,6 +419,7 @@ class AssistantDrafter:
         self.path = path
         self.block_size = block_size
         self.kv_view = kv_view
+        self.scheduler = make_scheduler(scheduler, 0.0, None, block_size, False, str(path))
 
     def __repr__(self) -> str:
         return (
@@ -640,12 +648,13 @@ def block_size_of(path: Path) -> int:
 
 
 def load(
-    path: Path, config: dict, kv_view: str = "transformers", dtype=None, lazy=False
+    path: Path, config: dict, kv_view: str = "transformers", dtype=None, lazy=False,
+    scheduler: Optional[str] = None,
 ):
     validate_config(config, path, tensor_shapes(path))
     block_size = block_size_of(path)
     model = load_network(path, Model, ModelArgs, dtype, lazy)
-    return AssistantDrafter(model, path, block_size, kv_view)
+    return AssistantDrafter(model, path, block_size, kv_view, scheduler)
 
 
 def detect(config: dict) -> bool:
