@@ -1158,9 +1158,9 @@ MUTANTS = [
     Mutant(
         "mlx_dspark costs measures a single stream with other drafts a round than it runs",
         "mlx_dspark/batching/measure.py",
-        "prompt, model, drafter, max_tokens=STREAM_TOKENS_AT_MOST, scheduler=scheduler\n",
-        "prompt, model, drafter, max_tokens=STREAM_TOKENS_AT_MOST, scheduler=scheduler,\n"
-        "            num_draft_tokens=drafter.block_size - 1,\n",
+        "prompt, model, drafter, max_tokens=8, scheduler=scheduler)\n",
+        "prompt, model, drafter, max_tokens=8, scheduler=scheduler,\n"
+        "            num_draft_tokens=drafter.block_size - 1)\n",
         ("tests/test_costs_command.py", "-k", "single_stream"),
     ),
     Mutant(

@@ -88,11 +88,6 @@ def measure_ahead(model, drafter, batches, context: int, vocab_size: int, seed: 
             yield batch, bucket, costs, time.perf_counter() - tic
 
 
-# A single stream measures two verify lengths a round, three passes over them
-# all: far fewer tokens than this.
-STREAM_TOKENS_AT_MOST = 4096
-
-
 class _KeepsTimer(CostScheduler):
     """The ``cost`` scheduler, keeping the timer the engine hands it (its
     key is the profile's)."""
@@ -107,30 +102,27 @@ class _KeepsTimer(CostScheduler):
 def measure_stream_ahead(model, drafter, context: int, vocab_size: int, seed: int = 0):
     """Yield ``(bucket, RoundCosts, seconds)`` for every depth bucket up to
     ``context``: a single greedy stream's costs with the drafter's default
-    drafts a round, measured by a generation on a random prompt (``seconds``)
-    unless the profile on disk has them (``seconds`` ``None``)."""
+    drafts a round, measured on the live caches of a generation from a
+    random prompt (``seconds``, prefill included) unless the profile on disk
+    has them (``seconds`` ``None``). Measured whole once its first round has
+    handed the scheduler its timer: left to measure a few lengths a round, a
+    generation whose drafts are kept could leave the bucket first."""
     rng = random.Random(seed)
     for bucket in buckets(context):
         depth = bucket * 3 // 4
         prompt = mx.array([rng.randrange(vocab_size) for _ in range(depth)], mx.uint32)
-        scheduler, costs = _KeepsTimer(None), None
+        scheduler = _KeepsTimer(None)
         tic = time.perf_counter()
-        steps = speculative_generate_step(
-            prompt, model, drafter, max_tokens=STREAM_TOKENS_AT_MOST, scheduler=scheduler
-        )
-        for _ in steps:
-            if scheduler.timer is not None:
-                profile = scheduler.profile(scheduler.timer)
-                costs = profile.measured(depth, scheduler.timer)
-                if costs is not None:
-                    break
+        steps = speculative_generate_step(prompt, model, drafter, max_tokens=8, scheduler=scheduler)
+        for _ in itertools.islice(steps, 2):  # the prompt's token, then a round's
+            pass
+        profile = scheduler.profile(scheduler.timer)
+        kept = profile.measured(depth, scheduler.timer)
+        costs = kept or profile.costs(depth, scheduler.timer)
+        seconds = None if kept else time.perf_counter() - tic
+        # The generation's caches go before the next bucket's.
         steps.close()
-        if costs is None:
-            raise RuntimeError(
-                f"a single stream's costs at depth {depth} were not measured in "
-                f"{STREAM_TOKENS_AT_MOST} tokens"
-            )
-        seconds = time.perf_counter() - tic if profile.timings else None
+        del steps, scheduler, profile
         gc.collect()
         mx.clear_cache()
         yield bucket, costs, seconds
