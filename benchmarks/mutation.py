@@ -1171,6 +1171,13 @@ MUTANTS = [
         ("tests/test_pacing.py", "-k", "probes_its_acceptance_at_once"),
     ),
     Mutant(
+        "each generation of a drafter paces with a fresh policy (probing at its start)",
+        "mlx_dspark/speculative/pacing.py",
+        "        self.policy = scheduler.paced_policies.setdefault(\n",
+        "        self.policy = BatchPolicy(probe_first=True) or scheduler.paced_policies.setdefault(\n",
+        ("tests/test_pacing.py", "-k", "probes_once_not_every"),
+    ),
+    Mutant(
         "a batch row's refused drafts are not kept for later requests",
         "mlx_dspark/batching/generator.py",
         "            self._recent.expect(first, rates)\n",

@@ -120,6 +120,25 @@ def test_a_stream_that_never_drafted_probes_its_acceptance_at_once():
         assert choices == [7] * REPROBE_EVERY
 
 
+def test_a_drafter_whose_drafts_never_pay_probes_once_not_every_generation():
+    """Nothing accepted: the first generation probes in its first round,
+    and later generations of the drafter start parked, probing only on the
+    schedule the parked rounds of all of them set (``REPROBE_EVERY`` and
+    up), not each at its start."""
+    scheduler = TableCostScheduler(None, 0.0037, [ms / 1000 for ms in DSPARK_4BIT])
+    generations = []
+    for _ in range(4):
+        pacing, choices = Pacing(scheduler, None, 7), []
+        for _ in range(REPROBE_EVERY):
+            choices.append(pacing.drafts(7, 2048))
+            pacing.update(choices[-1], 0)
+        generations.append(choices)
+    assert generations[0][0] == 7 and not any(generations[0][1:])
+    assert [g[0] for g in generations[1:]] == [0, 0, 0]
+    drafted = [i for i, k in enumerate(sum(generations, [])) if k]
+    assert drafted[1:] and all(i >= REPROBE_EVERY for i in drafted[1:])
+
+
 def test_a_stream_where_drafting_pays_by_a_fifth_seldom_parks():
     """Each draft kept at 0.7 (tau 3.3): drafting every round serves about
     1.37x plain on these costs, and only a run of poor rounds makes the
