@@ -78,6 +78,31 @@ def test_costs_measured_ahead_are_the_ones_a_single_streams_first_generation_rea
     assert stream_timings(model, load_drafter(str(DSPARK))) == 0
 
 
+def test_costs_run_again_prefill_no_bucket_after_the_first_that_is_kept(
+    monkeypatch, tmp_path, capsys
+):
+    """A second run, to a deeper context, measures the new bucket only, and a
+    third measures nothing; neither prefills a kept bucket's prompt but the
+    first one's (the generation that finds the profile's key)."""
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    prompts = []
+    generate = measure.speculative_generate_step
+    monkeypatch.setattr(
+        measure, "speculative_generate_step",
+        lambda prompt, *a, **k: prompts.append(prompt.size) or generate(prompt, *a, **k),
+    )
+    argv = ["--model", str(TARGET), "--draft-model", str(DSPARK), "--batch", "1", "--context"]
+    assert measure.main(argv + ["512"]) == 0
+    assert measure.main(argv + ["1024"]) == 0
+    assert prompts == [384, 384, 768]
+    out = capsys.readouterr().out
+    assert "a single stream, depth bucket   1024 (measured in" in out
+    assert measure.main(argv + ["1024"]) == 0
+    assert prompts == [384, 384, 768, 384]
+    stream = [line for line in capsys.readouterr().out.splitlines() if "single stream" in line]
+    assert len(stream) == 2 and all("(kept)" in line for line in stream)
+
+
 def test_depth_buckets_up_to_the_context():
     assert measure.buckets(1) == [512]
     assert measure.buckets(512) == [512]

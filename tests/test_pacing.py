@@ -139,6 +139,43 @@ def test_a_drafter_whose_drafts_never_pay_probes_once_not_every_generation():
     assert drafted[1:] and all(i >= REPROBE_EVERY for i in drafted[1:])
 
 
+class MeasuredAsItGoes(TableCostScheduler):
+    """A fresh machine's costs, which a first generation measures as it
+    goes: each round's choice measures ``most`` more verify lengths."""
+
+    def __init__(self, draft, verify):
+        super().__init__(None, draft, verify)
+        self.lengths = 0
+
+    def profile(self, timer):
+        def costs(depth, timer, most=None):
+            self.lengths = min(self.lengths + most, len(self.table.verify))
+            return measured()
+
+        measured = lambda *_: RoundCosts(self.table.draft, self.table.verify[: self.lengths])  # noqa: E731
+        return SimpleNamespace(costs=costs, known=measured)
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_stream_measuring_its_costs_as_it_goes_probes_as_deep_as_they_reach(kept):
+    """With one or two verify lengths measured, one draft does not pay on
+    the 4-bit curve at the prior acceptance, so the stream parks; its probe
+    of one draft may not be its only one: each round that measures deeper
+    probes as deep as drafting could pay. A drafter whose drafts are kept
+    drafts 7 a round once the costs reach 8 rows, not after
+    ``REPROBE_EVERY`` parked rounds; one whose drafts are never kept probes
+    once per depth reached and parks."""
+    pacing = Pacing(MeasuredAsItGoes(0.0037, [ms / 1000 for ms in DSPARK_4BIT]), None, 7)
+    choices = []
+    for _ in range(REPROBE_EVERY):
+        choices.append(pacing.drafts(7, 2048))
+        pacing.update(choices[-1], choices[-1] if kept else 0)
+    if kept:
+        assert choices[:3] == [1, 3, 5] and choices[3:] == [7] * (REPROBE_EVERY - 3)
+    else:
+        assert choices == [1, 3, 5, 7] + [0] * (REPROBE_EVERY - 4)
+
+
 def test_a_stream_where_drafting_pays_by_a_fifth_seldom_parks():
     """Each draft kept at 0.7 (tau 3.3): drafting every round serves about
     1.37x plain on these costs, and only a run of poor rounds makes the

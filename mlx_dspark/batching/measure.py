@@ -29,6 +29,7 @@ import itertools
 import random
 import sys
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 
@@ -106,12 +107,19 @@ def measure_stream_ahead(model, drafter, context: int, vocab_size: int, seed: in
     random prompt (``seconds``, prefill included) unless the profile on disk
     has them (``seconds`` ``None``). Measured whole once its first round has
     handed the scheduler its timer: left to measure a few lengths a round, a
-    generation whose drafts are kept could leave the bucket first."""
+    generation whose drafts are kept could leave the bucket first. The
+    first bucket's timer, without its caches, finds the profile of the
+    buckets after it, which are not prefilled where it has them."""
     rng = random.Random(seed)
+    key_timer = None
     for bucket in buckets(context):
         depth = bucket * 3 // 4
         prompt = mx.array([rng.randrange(vocab_size) for _ in range(depth)], mx.uint32)
         scheduler = _KeepsTimer(None)
+        kept = key_timer and scheduler.profile(key_timer).measured(depth, key_timer)
+        if kept:
+            yield bucket, kept, None
+            continue
         tic = time.perf_counter()
         steps = speculative_generate_step(prompt, model, drafter, max_tokens=8, scheduler=scheduler)
         for _ in itertools.islice(steps, 2):  # the prompt's token, then a round's
@@ -120,6 +128,7 @@ def measure_stream_ahead(model, drafter, context: int, vocab_size: int, seed: in
         kept = profile.measured(depth, scheduler.timer)
         costs = kept or profile.costs(depth, scheduler.timer)
         seconds = None if kept else time.perf_counter() - tic
+        key_timer = replace(scheduler.timer, verify=None, draft=None)
         # The generation's caches go before the next bucket's.
         steps.close()
         del steps, scheduler, profile

@@ -332,12 +332,16 @@ class BatchPolicy:
             ``batch`` sequences at context depth ``depth``; by default the
             generator measures them on its live caches
             (``SpeculativeBatchGenerator.measured_costs``).
-        probe_first: A policy that never drafted probes at its first parked
-            round, not only after ``REPROBE_EVERY``: it knows no acceptance
-            but its prior. For a single stream, whose process may decode
-            one generation only (``mlx_lm.generate``): on an H200 a fresh
-            4-bit 12B stream parked on the prior first probed after 255
-            rounds, longer than many a whole generation.
+        probe_first: A parked policy probes at once, not only after
+            ``REPROBE_EVERY`` parked rounds, whenever its probe would draft
+            further than any of its rounds did: it knows no acceptance
+            there but its prior. For a single stream, whose process may
+            decode one generation only (``mlx_lm.generate``): on an H200 a
+            fresh 4-bit 12B stream parked on the prior first probed after
+            255 rounds, longer than many a whole generation. (Not "never
+            drafted": on a machine whose costs a first generation measures
+            as it goes, its first rounds see one or two verify lengths,
+            and a probe of one draft there would be its only one.)
     """
 
     name = "cost"
@@ -349,6 +353,7 @@ class BatchPolicy:
         self.probe_first = probe_first
         self.parked = 0
         self.drafting = 0
+        self.deepest = 0  # the most drafts any round chosen had
         # (batch size, drafted) -> seconds a round takes beyond its
         # predicted forwards.
         self.overheads = {}
@@ -422,9 +427,10 @@ class BatchPolicy:
                     loss = costs.verify[hopeful] + costs.draft - tokens * plain / len(caps)
                     loss += 2 * self.switch_cost / length
                     self._reprobe = reprobe_every(loss, plain, length)
-                first = self.probe_first and self.drafting == 0 and self.parked <= length
+                first = self.probe_first and hopeful > self.deepest
                 if first or _probing(self.parked, length, self._reprobe):
                     k = hopeful
+        self.deepest = max(self.deepest, k)
         predicted = measured.verify[k] + (measured.draft if k else 0.0)
         self._chosen.append((batch, k, k > 0, predicted))
         self._shape = (batch, k)
