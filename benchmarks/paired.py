@@ -11,12 +11,18 @@ is real, acceptance follows the paper's profiles (Table 1 Gemma-4-12B DSpark:
 tau ~ 6 on math, ~ 3.3 on chat). Each row also has the round's phase
 timings (``speculative.phases``: host graph building, drafting, verifying,
 the verdict and the bookkeeping). Writes JSON lines to ``--out`` and stdout.
+
+MLX runs with the launch settings ``mlx_lm.generate`` and ``mlx_lm.server``
+set with a drafter (on MLX-CUDA, CUDA graphs off for an unquantized target),
+plain decoding included, unless ``--mlx-launch-settings``. MLX reads them
+once a process, so a process runs one target precision then.
 """
 
 import argparse
 import collections
 import itertools
 import json
+import os
 import statistics
 import time
 
@@ -24,6 +30,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 import mlx_dspark
+from mlx_dspark.confidence.costs import LAUNCH_SETTINGS, launch_settings_for_speculation
 from mlx_dspark.progress import progress
 import shapes
 from speculative import components, phases, replayed_acceptance
@@ -55,12 +62,26 @@ def main():
     parser.add_argument("--taus", type=float, nargs="+", default=[3.3, 6.0])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--target-bits", type=int, nargs="+", default=[16, 4])
+    parser.add_argument("--target-bits", type=int, nargs="+", default=[16])
     parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS))
     parser.add_argument("--schedulers", nargs="+", default=["fixed"], choices=["fixed", "cost"])
     parser.add_argument("--out", default="paired.jsonl")
+    parser.add_argument(
+        "--mlx-launch-settings", action="store_true",
+        help="keep MLX's own launch settings, not those the commands set with a drafter",
+    )
     args = parser.parse_args()
+    if len(args.target_bits) > 1 and not args.mlx_launch_settings:
+        parser.error(
+            "MLX reads its launch settings once a process, and the commands' depend on "
+            "the target's precision: one --target-bits a process, or --mlx-launch-settings"
+        )
 
+    # Before anything is evaluated on the device.
+    model = shapes.target_module(args.scale)
+    if args.target_bits == [16] and not args.mlx_launch_settings:
+        launch_settings_for_speculation(model)
+    launch = {name: os.environ[name] for name in LAUNCH_SETTINGS if name in os.environ}
     mx.random.seed(0)
     drafters = {
         name: shapes.make_assistant(args.scale)
@@ -68,7 +89,7 @@ def main():
         else shapes.make_drafter(args.scale, **DRAFTERS[name])
         for name in args.drafters
     }
-    model = shapes.make_target(args.scale)
+    model = shapes.finish(model)
     prompt = mx.random.randint(5, model.args.vocab_size, (args.context,))
     prompt = prompt.astype(mx.uint32)
 
@@ -132,6 +153,7 @@ def main():
                     "acceptance": "replayed (synthetic); wall-clock real",
                     "backend": backend(),
                     "mlx": mx.__version__,
+                    "launch_settings": launch,
                     "shapes": f"gemma-4-12b/{args.scale}",
                 }
                 line = json.dumps(record)

@@ -127,7 +127,8 @@ def quantize(model: nn.Module, bits: int, group_size: int = 64) -> nn.Module:
     return model
 
 
-def _finish(model: nn.Module, dtype, bits):
+def finish(model: nn.Module, dtype=mx.bfloat16, bits=None):
+    """``model`` in ``dtype``, evaluated, quantized to ``bits`` if given."""
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return quantize(model, bits) if bits else model
@@ -137,16 +138,22 @@ def make_target(scale=1, dtype=mx.bfloat16, bits=None):
     return make_target_from(target_config(scale), dtype, bits)
 
 
+def target_module(scale=1):
+    """The target before its weights are evaluated (what MLX's launch
+    settings, read at the device's first evaluation, may be decided from)."""
+    return gemma4_text.Model(gemma4_text.ModelArgs.from_dict(target_config(scale)))
+
+
 def make_target_from(config: dict, dtype=mx.bfloat16, bits=None):
     args = gemma4_text.ModelArgs.from_dict(config)
-    return _finish(gemma4_text.Model(args), dtype, bits)
+    return finish(gemma4_text.Model(args), dtype, bits)
 
 
 def make_drafter(scale=1, variant="dspark", dtype=mx.bfloat16, bits=None):
     config = drafter_config(target_config(scale), variant, scale)
     model = Model(gemma4_dspark.ModelArgs.from_dict(config))
     return DeepSpecDrafter(
-        _finish(model, dtype, bits), "gemma4", Path(f"<random {variant}>")
+        finish(model, dtype, bits), "gemma4", Path(f"<random {variant}>")
     )
 
 
@@ -154,7 +161,7 @@ def make_assistant(scale=1, dtype=mx.bfloat16, bits=None, block_size=6):
     config = assistant_config(target_config(scale), scale)
     model = gemma4_assistant.Model(gemma4_assistant.ModelArgs.from_dict(config))
     return AssistantDrafter(
-        _finish(model, dtype, bits),
+        finish(model, dtype, bits),
         Path("<random assistant>"),
         block_size,
         "transformers",

@@ -2,6 +2,7 @@
 as right as its parsing of the server's logs and its replayed acceptance."""
 
 import datetime
+import json
 import importlib
 import logging
 import math
@@ -110,3 +111,31 @@ def test_replayed_rounds_replay_the_drafters_confidences_too(bench):
         replayed = confidences()
     assert replayed == pytest.approx([math.log(rate / (1 - rate))] * drafter.block_size, abs=1e-5)
     assert own != pytest.approx(replayed, abs=1e-3) and confidences() == pytest.approx(own)
+
+
+@pytest.mark.parametrize("bits, settings", [(16, {"MLX_USE_CUDA_GRAPHS": "0"}), (4, {})])
+def test_paired_runs_with_the_launch_settings_the_commands_set(
+    bench, monkeypatch, tmp_path, bits, settings
+):
+    """On MLX-CUDA ``mlx_lm.generate`` with a drafter turns CUDA graphs off
+    for an unquantized target: the paired table's rows run so too (its bf16
+    rows ran with them on, which no user with a drafter gets), and say so."""
+    paired = bench("paired")
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "unset below; restored after")
+    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS")
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    out = tmp_path / "paired.jsonl"
+    argv = ["paired.py", "--scale", "16", "--context", "32", "--taus", "3.3", "--max-tokens", "4"]
+    argv += ["--pairs", "1", "--drafters", "dspark", "--target-bits", str(bits), "--out", str(out)]
+    monkeypatch.setattr("sys.argv", argv)
+    paired.main()
+    assert json.loads(out.read_text())["launch_settings"] == settings
+
+
+def test_paired_refuses_two_target_precisions_in_one_process(bench, monkeypatch, capsys):
+    """MLX reads its launch settings once a process and the commands' differ
+    by target precision."""
+    monkeypatch.setattr("sys.argv", ["paired.py", "--target-bits", "16", "4"])
+    with pytest.raises(SystemExit):
+        bench("paired").main()
+    assert "one --target-bits a process" in capsys.readouterr().err
