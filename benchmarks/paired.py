@@ -77,12 +77,13 @@ def main():
             "the target's precision: one --target-bits a process, or --mlx-launch-settings"
         )
 
-    # Before anything is evaluated on the device.
+    # Before anything is evaluated on the device (a module's weights take
+    # their random keys when it is built).
+    mx.random.seed(0)
     model = shapes.target_module(args.scale)
     if args.target_bits == [16] and not args.mlx_launch_settings:
         launch_settings_for_speculation(model)
     launch = {name: os.environ[name] for name in LAUNCH_SETTINGS if name in os.environ}
-    mx.random.seed(0)
     drafters = {
         name: shapes.make_assistant(args.scale)
         if DRAFTERS[name] is None

@@ -6,12 +6,14 @@ import json
 import importlib
 import logging
 import math
+import os
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
 from mlx_dspark.batching.policy import FixedPolicy
+from mlx_dspark.confidence.costs import LAUNCH_SETTINGS
 from mlx_dspark.doctor import conditional_for_tau
 from mlx_dspark.integration.batch import ServerBatchGenerator
 from mlx_dspark.speculative.engine import adapt_target
@@ -119,16 +121,27 @@ def test_paired_runs_with_the_launch_settings_the_commands_set(
 ):
     """On MLX-CUDA ``mlx_lm.generate`` with a drafter turns CUDA graphs off
     for an unquantized target: the paired table's rows run so too (its bf16
-    rows ran with them on, which no user with a drafter gets), and say so."""
+    rows ran with them on, which no user with a drafter gets), set before
+    MLX's first evaluation (where it reads them), and say so."""
     paired = bench("paired")
-    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "unset below; restored after")
-    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS")
+    for name in LAUNCH_SETTINGS:
+        monkeypatch.setenv(name, "unset below; restored after")
+        monkeypatch.delenv(name)
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    at_first_eval, evaluate = [], mx.eval
+
+    def recorded(*args):
+        if not at_first_eval:
+            at_first_eval.append({n: os.environ[n] for n in LAUNCH_SETTINGS if n in os.environ})
+        return evaluate(*args)
+
+    monkeypatch.setattr(mx, "eval", recorded)
     out = tmp_path / "paired.jsonl"
     argv = ["paired.py", "--scale", "16", "--context", "32", "--taus", "3.3", "--max-tokens", "4"]
     argv += ["--pairs", "1", "--drafters", "dspark", "--target-bits", str(bits), "--out", str(out)]
     monkeypatch.setattr("sys.argv", argv)
     paired.main()
+    assert at_first_eval == [settings]
     assert json.loads(out.read_text())["launch_settings"] == settings
 
 

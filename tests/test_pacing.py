@@ -1,10 +1,12 @@
 """The cost scheduler's pacing of a single stream: padded verifies, parking
 and adaptive drafts, on injected cost curves (never this machine's speed)."""
 
+import gc
 import itertools
 import math
 import random
 import statistics
+import weakref
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -143,8 +145,8 @@ class MeasuredAsItGoes(TableCostScheduler):
     """A fresh machine's costs, which a first generation measures as it
     goes: each round's choice measures ``most`` more verify lengths."""
 
-    def __init__(self, draft, verify):
-        super().__init__(None, draft, verify)
+    def __init__(self, draft, verify, clock=None):
+        super().__init__(None, draft, verify, clock)
         self.lengths = 0
 
     def profile(self, timer):
@@ -156,19 +158,24 @@ class MeasuredAsItGoes(TableCostScheduler):
         return SimpleNamespace(costs=costs, known=measured)
 
 
+@pytest.mark.parametrize("timed", [False, True])
 @pytest.mark.parametrize("kept", [True, False])
-def test_a_stream_measuring_its_costs_as_it_goes_probes_as_deep_as_they_reach(kept):
+def test_a_stream_measuring_its_costs_as_it_goes_probes_as_deep_as_they_reach(kept, timed):
     """With one or two verify lengths measured, one draft does not pay on
     the 4-bit curve at the prior acceptance, so the stream parks; its probe
     of one draft may not be its only one: each round that measures deeper
     probes as deep as drafting could pay. A drafter whose drafts are kept
     drafts 7 a round once the costs reach 8 rows, not after
     ``REPROBE_EVERY`` parked rounds; one whose drafts are never kept probes
-    once per depth reached and parks."""
-    pacing = Pacing(MeasuredAsItGoes(0.0037, [ms / 1000 for ms in DSPARK_4BIT]), None, 7)
-    choices = []
+    once per depth reached and parks. Timed, each round takes what its
+    costs say."""
+    clock = Clock() if timed else None
+    scheduler = MeasuredAsItGoes(0.0037, [ms / 1000 for ms in DSPARK_4BIT], clock)
+    pacing, choices = Pacing(scheduler, None, 7), []
     for _ in range(REPROBE_EVERY):
         choices.append(pacing.drafts(7, 2048))
+        if timed:
+            clock.now += scheduler.table.padded().verify[choices[-1]] + (0.0037 if choices[-1] else 0)
         pacing.update(choices[-1], choices[-1] if kept else 0)
     if kept:
         assert choices[:3] == [1, 3, 5] and choices[3:] == [7] * (REPROBE_EVERY - 3)
@@ -290,6 +297,26 @@ def test_a_single_stream_slower_than_measured_in_every_round_keeps_drafting(monk
     assert set(policy.overheads) == {(1, True), (1, False)}
     drafted = [r.proposed > 0 for r in stats.history]
     assert not all(drafted) and sum(drafted) >= 0.75 * len(drafted)
+
+
+def test_a_finished_generation_leaves_its_caches_to_be_freed(monkeypatch):
+    """The pacing's policy outlives a generation (the drafter keeps what it
+    learnt) but not its caches: held, a long context's caches would stay in
+    memory through the next generation's prefill, two generations' at once."""
+    model, drafter = trained("gemma4", "dflash")
+    made, split = [], engine._split_prompt_cache
+
+    def recorded(*args):
+        caches = split(*args)
+        made.extend(weakref.ref(c) for part in caches for c in part)
+        return caches
+
+    monkeypatch.setattr(engine, "_split_prompt_cache", recorded)
+    scheduler = TableCostScheduler(None, 0.002, [0.010] + [0.012] * 15, clock=Clock())
+    speculative(model, drafter, [65, 211, 266, 241, 234, 10, 325, 168], 24, scheduler=scheduler)
+    gc.collect()
+    assert made and scheduler.paced_policies
+    assert not [ref for ref in made if ref() is not None]
 
 
 def test_generations_advanced_in_turn_observe_their_own_rounds():

@@ -334,14 +334,15 @@ class BatchPolicy:
             (``SpeculativeBatchGenerator.measured_costs``).
         probe_first: A parked policy probes at once, not only after
             ``REPROBE_EVERY`` parked rounds, whenever its probe would draft
-            further than any of its rounds did: it knows no acceptance
-            there but its prior. For a single stream, whose process may
-            decode one generation only (``mlx_lm.generate``): on an H200 a
-            fresh 4-bit 12B stream parked on the prior first probed after
-            255 rounds, longer than many a whole generation. (Not "never
-            drafted": on a machine whose costs a first generation measures
-            as it goes, its first rounds see one or two verify lengths,
-            and a probe of one draft there would be its only one.)
+            further than any of its rounds did: no round of its own tried
+            those positions, whose acceptance may be the prior's alone. For
+            a single stream, whose process may decode one generation only
+            (``mlx_lm.generate``): on an H200 a fresh 4-bit 12B stream
+            parked on the prior first probed after 255 rounds, longer than
+            many a whole generation. (Not "never drafted": on a machine
+            whose costs a first generation measures as it goes, its first
+            rounds see one or two verify lengths, and a round of one draft
+            there would be its only one.)
     """
 
     name = "cost"

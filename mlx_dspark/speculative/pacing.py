@@ -82,15 +82,20 @@ class Pacing:
         (measuring left out), or where it is chosen before the round before
         it is read, at that read."""
         scheduler, timer = self.scheduler, self.timer
+        # Only for this choice: the policy outlives the generation, and its
+        # timer holds the generation's caches.
         self.policy.costs = lambda _, depth: scheduler.costs(
             depth, timer, most=VERIFIES_MEASURED_PER_ROUND
         )
         self.policy.restart(self._chosen)
-        if self.clock is None:
-            return self.policy.choose([self.acceptance.rates()], [cap], depth)
         profile = scheduler.profile(timer)
         timings = getattr(profile, "timings", 0)
-        drafts = self.policy.choose([self.acceptance.rates()], [cap], depth)
+        try:
+            drafts = self.policy.choose([self.acceptance.rates()], [cap], depth)
+        finally:
+            self.policy.costs = None
+        if self.clock is None:
+            return drafts
         if getattr(profile, "timings", 0) != timings:
             # Costs were measured on the live caches, which waited for the
             # rounds in flight: their times are not their own.
