@@ -822,3 +822,22 @@ def test_without_a_scheduler_chosen_one_seed_samples_one_text():
         assert stats.scheduler == "fixed"
         assert all(len(r.drafts) == r.proposed for r in stats.history)
     assert texts[0] == texts[1] != texts[2]
+
+
+def test_a_cost_chosen_per_call_goes_on_from_what_the_default_learnt():
+    """A drafter loaded without a scheduler paces greedy generations with
+    ``cost``; a call that names ``cost`` (to pace a sampled generation too)
+    goes on from the acceptance and policy those generations learnt, and
+    the default's next generations from what it learnt in turn."""
+    model, drafter = trained("gemma4", "dflash")
+    default, prompt = drafter.scheduler, mx.array([65, 211, 266, 241])
+    list(speculative_generate_step(prompt, model, drafter, max_tokens=24))
+    [(drafts, acceptance)] = default.recent_acceptance.items()
+    learnt = list(acceptance.verified)
+    stats = SpeculativeStats(drafter.name, drafter.block_size)
+    sampler = mlx_dspark.make_sampler(temp=0.8)
+    steps = speculative_generate_step(
+        prompt, model, drafter, max_tokens=24, sampler=sampler, scheduler="cost", stats=stats
+    )
+    assert len(list(steps)) == 24 and stats.scheduler == "cost"
+    assert acceptance.verified != learnt and len(default.paced_policies) == 1

@@ -17,6 +17,7 @@ not on anything computed from draft k or later. Both confidence rules decide
 position by position and stop at the first refusal.
 """
 
+import copy
 import os
 import time
 import warnings
@@ -153,6 +154,13 @@ class CostScheduler:
         self.paced_policies = {}
         self.clock = clock
 
+    def pacing_sampling(self) -> "CostScheduler":
+        """This scheduler, pacing sampled generations too, with what this
+        one measured and learnt, and learns on for both."""
+        twin = copy.copy(self)
+        twin.paces_sampling = True
+        return twin
+
     def profile(self, timer: RoundTimer) -> CostProfile:
         # By file, not by key alone: a scheduler lives as long as its drafter,
         # and the cache folder (``MLX_DSPARK_CACHE``) may change meanwhile.
@@ -270,6 +278,9 @@ def scheduler_for(choice, drafter):
         named = _named.setdefault(drafter, {})
     except TypeError:  # a drafter that cannot be weakly referenced
         named = {}
+    if choice not in named and own is not None and own.name == choice:
+        # The default ``cost``, which leaves sampled generations to ``fixed``.
+        named[choice] = own.pacing_sampling()
     if choice not in named:
         model = getattr(drafter, "model", None)
         named[choice] = make_scheduler(
