@@ -1184,6 +1184,48 @@ MUTANTS = [
         "            pass\n",
         ("tests/test_batching.py", "-k", "refused_drafts"),
     ),
+    Mutant(
+        "a parked stream probes at once only if it never drafted",
+        "mlx_dspark/batching/policy.py",
+        "                first = self.probe_first and hopeful > self.deepest\n",
+        "                first = self.probe_first and self.drafting == 0 and self.parked <= length\n",
+        ("tests/test_pacing.py", "-k", "as_it_goes"),
+    ),
+    Mutant(
+        "a parked stream forgets how deep its rounds drafted",
+        "mlx_dspark/batching/policy.py",
+        "        self.deepest = max(self.deepest, k)\n",
+        "        pass\n",
+        ("tests/test_pacing.py", "-k", "as_it_goes or probes_once_not_every"),
+    ),
+    Mutant(
+        "mlx_dspark costs run again prefills every bucket it has",
+        "mlx_dspark/batching/measure.py",
+        "        kept = key_timer and scheduler.profile(key_timer).measured(depth, key_timer)\n",
+        "        kept = None\n",
+        ("tests/test_costs_command.py", "-k", "run_again"),
+    ),
+    Mutant(
+        "the pacing's policy keeps the last generation's timer (and caches)",
+        "mlx_dspark/speculative/pacing.py",
+        "            self.policy.costs = None\n",
+        "            pass\n",
+        ("tests/test_pacing.py", "-k", "leaves_its_caches"),
+    ),
+    Mutant(
+        "a per-call cost on a default-loaded drafter learns apart from the default",
+        "mlx_dspark/confidence/schedulers.py",
+        "        named[choice] = own.pacing_sampling()\n",
+        "        pass\n",
+        ("tests/test_pacing.py", "-k", "per_call_goes_on"),
+    ),
+    Mutant(
+        "paired.py runs bf16 rows with MLX's launch settings, not the commands'",
+        "benchmarks/paired.py",
+        "        launch_settings_for_speculation(model)\n",
+        "        pass\n",
+        ("tests/test_benchmarks.py", "-k", "launch_settings"),
+    ),
 ]
 
 
