@@ -9,7 +9,9 @@ whole speculative round (the drafter's call, then the verify, verdict,
 rollback and commit), at batch size 1 a round of the single-stream engine
 (``engine_round``, fixed scheduler) and a pipelined round
 (``round_pipelined``), and a round the policy parked (no drafts: the
-target's step and the drafter taking in its hidden states). Views (reshapes, broadcasts, slices) are counted too;
+target's step and the drafter taking in its hidden states); at batch size 1
+also mlx-lm's ``generate_step`` (``generate_step``, a token) against a
+round the single-stream engine's pacing parked (``engine_parked``). Views (reshapes, broadcasts, slices) are counted too;
 on the device most of them launch nothing.
 
 ``--prompt-cache`` counts instead what a prompt's first ``next()`` evaluates
@@ -28,14 +30,17 @@ import re
 import tempfile
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import LRUPromptCache
 
 from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.batching.policy import FixedPolicy
+from mlx_dspark.confidence.costs import RoundCosts
+from mlx_dspark.confidence.schedulers import CostScheduler
 from mlx_dspark.drafters import gemma4_dspark
 from mlx_dspark.drafters.deepspec import DeepSpecDrafter
 from mlx_dspark.drafters.deepspec_model import Model
@@ -132,6 +137,7 @@ def count(target, drafter, vocab, batch, drafts):
     if batch == 1:
         row["engine_round"] = engine_round(target, drafter, batch_prompts[0], drafts)
         row["round_pipelined"] = pipelined_round(target, drafter, batch_prompts, drafts)
+        row.update(parked_against_stock(target, drafter, batch_prompts[0]))
     rows, anchors = spec._generation, spec._anchors()
     for n in (1, drafts + 1):
         out = spec._forward(rows, mx.repeat(anchors[:, None], n, axis=1))
@@ -162,6 +168,37 @@ def engine_round(target, drafter, prompt, drafts, rounds=10) -> float:
 
         total = evaluated(run)
     return total / (len(stats.history) - before)
+
+
+class NeverPays(CostScheduler):
+    """The ``cost`` scheduler on costs under which no draft pays, even if
+    every one were accepted: its pacing parks every round, never probing."""
+
+    def __init__(self):
+        super().__init__(None, cache_profiles=False, clock=None)
+        self.table = RoundCosts(1.0, [0.01] + [100.0] * 15)
+
+    def profile(self, timer):
+        return SimpleNamespace(costs=lambda *_, most=None: self.table, known=lambda *_: self.table)
+
+
+def parked_against_stock(target, drafter, prompt, tokens=20) -> dict:
+    """Primitives a token of mlx-lm's ``generate_step`` evaluates, and a
+    round of the single-stream engine that its pacing parked (the mean over
+    ``tokens``)."""
+    prompt = mx.array(prompt, mx.uint32)
+    stock = generate_step(prompt, target, max_tokens=1000)
+    stats = SpeculativeStats(drafter.name, drafter.block_size)
+    parked = speculative_generate_step(
+        prompt, target, drafter, max_tokens=1000, scheduler=NeverPays(), stats=stats
+    )
+    row = {}
+    for name, steps in (("generate_step", stock), ("engine_parked", parked)):
+        for _ in range(4):
+            next(steps)
+        row[name] = evaluated(lambda: [next(steps) for _ in range(tokens)]) / tokens
+    assert not any(r.proposed for r in stats.history)
+    return row
 
 
 def pipelined_round(target, drafter, batch_prompts, drafts, rounds=10) -> float:
