@@ -1220,6 +1220,13 @@ MUTANTS = [
         ("tests/test_pacing.py", "-k", "per_call_goes_on"),
     ),
     Mutant(
+        "a per-call fixed on a default-loaded drafter gets the default's cost twin",
+        "mlx_dspark/confidence/schedulers.py",
+        "    if choice not in named and choice == \"cost\" and isinstance(own, CostScheduler):\n",
+        "    if choice not in named and isinstance(own, CostScheduler):\n",
+        ("tests/test_pacing.py", "-k", "per_call_goes_on"),
+    ),
+    Mutant(
         "paired.py runs bf16 rows with MLX's launch settings, not the commands'",
         "benchmarks/paired.py",
         "        launch_settings_for_speculation(model)\n",

@@ -1,6 +1,7 @@
 """The cost scheduler's pacing of a single stream: padded verifies, parking
 and adaptive drafts, on injected cost curves (never this machine's speed)."""
 
+import copy
 import gc
 import itertools
 import math
@@ -18,7 +19,7 @@ import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
 from mlx_dspark.batching.policy import REPROBE_AT_MOST, REPROBE_EVERY
 from mlx_dspark.confidence.costs import REPEATS, RoundCosts, RoundTimer, verify_rows
-from mlx_dspark.confidence.schedulers import CostScheduler
+from mlx_dspark.confidence.schedulers import CostScheduler, FixedScheduler, scheduler_for
 from mlx_dspark.speculative import engine
 from mlx_dspark.speculative.pacing import Pacing
 
@@ -299,11 +300,14 @@ def test_a_single_stream_slower_than_measured_in_every_round_keeps_drafting(monk
     assert not all(drafted) and sum(drafted) >= 0.75 * len(drafted)
 
 
-def test_a_finished_generation_leaves_its_caches_to_be_freed(monkeypatch):
+@pytest.mark.parametrize("scheduler", ["table", "measuring", "confidences-read"])
+def test_a_finished_generation_leaves_its_caches_to_be_freed(monkeypatch, scheduler):
     """The pacing's policy outlives a generation (the drafter keeps what it
     learnt) but not its caches: held, a long context's caches would stay in
-    memory through the next generation's prefill, two generations' at once."""
-    model, drafter = trained("gemma4", "dflash")
+    memory through the next generation's prefill, two generations' at once.
+    So too where the generation ends with its costs measured in part (a
+    real cost profile, injected timings), its drafts' confidences read."""
+    model, drafter = trained("gemma4", "dspark" if scheduler == "confidences-read" else "dflash")
     made, split = [], engine._split_prompt_cache
 
     def recorded(*args):
@@ -312,8 +316,19 @@ def test_a_finished_generation_leaves_its_caches_to_be_freed(monkeypatch):
         return caches
 
     monkeypatch.setattr(engine, "_split_prompt_cache", recorded)
-    scheduler = TableCostScheduler(None, 0.002, [0.010] + [0.012] * 15, clock=Clock())
-    speculative(model, drafter, [65, 211, 266, 241, 234, 10, 325, 168], 24, scheduler=scheduler)
+    flat = [0.010] + [0.012] * 15
+    if scheduler == "table":
+        scheduler = TableCostScheduler(None, 0.002, flat, clock=Clock())
+    else:
+        monkeypatch.setattr(
+            RoundTimer, "__call__",
+            lambda timer, tokens=None, draft=True, repeats=REPEATS: RoundCosts(
+                0.002 if draft else 0.0, [flat[n - 1] for n in tokens]
+            ),
+        )
+        temperatures = [1.0] * drafter.block_size if scheduler == "confidences-read" else None
+        scheduler = CostScheduler(temperatures, cache_profiles=False, clock=Clock())
+    speculative(model, drafter, [65, 211, 266, 241, 234, 10, 325, 168], 6, scheduler=scheduler)
     gc.collect()
     assert made and scheduler.paced_policies
     assert not [ref for ref in made if ref() is not None]
@@ -826,18 +841,28 @@ def test_without_a_scheduler_chosen_one_seed_samples_one_text():
 
 def test_a_cost_chosen_per_call_goes_on_from_what_the_default_learnt():
     """A drafter loaded without a scheduler paces greedy generations with
-    ``cost``; a call that names ``cost`` (to pace a sampled generation too)
-    goes on from the acceptance and policy those generations learnt, and
-    the default's next generations from what it learnt in turn."""
-    model, drafter = trained("gemma4", "dflash")
-    default, prompt = drafter.scheduler, mx.array([65, 211, 266, 241])
+    ``cost`` and leaves sampled ones to ``fixed``; a call that names
+    ``cost`` (to pace a sampled generation too) goes on from the costs,
+    acceptance and policy those generations learnt, and the default's next
+    generations from what it learnt in turn; ``fixed`` named is ``fixed``.
+    (On a table of costs under which drafting pays, untimed.)"""
+    model, trained_drafter = trained("gemma4", "dflash")
+    drafter = copy.copy(trained_drafter)  # its own default, as if loaded anew
+    drafter.scheduler = default = TableCostScheduler(None, 0.001, [0.010] + [0.0105] * 15)
+    default.paces_sampling = False
+    prompt = mx.array([65, 211, 266, 241])
     list(speculative_generate_step(prompt, model, drafter, max_tokens=24))
     [(drafts, acceptance)] = default.recent_acceptance.items()
-    learnt = list(acceptance.verified)
+    [policy] = default.paced_policies.values()
+    learnt, rounds = list(acceptance.verified), policy.drafting + policy.parked
+    mx.random.seed(3)
     stats = SpeculativeStats(drafter.name, drafter.block_size)
-    sampler = mlx_dspark.make_sampler(temp=0.8)
     steps = speculative_generate_step(
-        prompt, model, drafter, max_tokens=24, sampler=sampler, scheduler="cost", stats=stats
+        prompt, model, drafter, max_tokens=24, sampler=mlx_dspark.make_sampler(temp=0.8),
+        scheduler="cost", stats=stats,
     )
     assert len(list(steps)) == 24 and stats.scheduler == "cost"
-    assert acceptance.verified != learnt and len(default.paced_policies) == 1
+    assert any(r.proposed for r in stats.history)
+    assert acceptance.verified != learnt and policy.drafting + policy.parked > rounds
+    assert list(default.paced_policies.values()) == [policy]
+    assert isinstance(scheduler_for("fixed", drafter), FixedScheduler)

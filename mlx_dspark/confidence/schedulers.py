@@ -278,7 +278,7 @@ def scheduler_for(choice, drafter):
         named = _named.setdefault(drafter, {})
     except TypeError:  # a drafter that cannot be weakly referenced
         named = {}
-    if choice not in named and own is not None and own.name == choice:
+    if choice not in named and choice == "cost" and isinstance(own, CostScheduler):
         # The default ``cost``, which leaves sampled generations to ``fixed``.
         named[choice] = own.pacing_sampling()
     if choice not in named:

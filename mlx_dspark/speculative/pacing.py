@@ -82,15 +82,15 @@ class Pacing:
         (measuring left out), or where it is chosen before the round before
         it is read, at that read."""
         scheduler, timer = self.scheduler, self.timer
-        # Only for this choice: the policy outlives the generation, and its
-        # timer holds the generation's caches.
-        self.policy.costs = lambda _, depth: scheduler.costs(
-            depth, timer, most=VERIFIES_MEASURED_PER_ROUND
-        )
         self.policy.restart(self._chosen)
         profile = scheduler.profile(timer)
         timings = getattr(profile, "timings", 0)
         try:
+            # Only for this choice: the policy outlives the generation, and
+            # the timer holds the generation's caches.
+            self.policy.costs = lambda _, depth: scheduler.costs(
+                depth, timer, most=VERIFIES_MEASURED_PER_ROUND
+            )
             drafts = self.policy.choose([self.acceptance.rates()], [cap], depth)
         finally:
             self.policy.costs = None
