@@ -12,7 +12,7 @@ from unittest import mock
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
 from mlx_lm.models.cache import KVCache
@@ -1688,6 +1688,9 @@ def test_a_probe_lasts_its_rounds_whatever_its_first_round_accepted():
     plain=st.floats(0.001, 0.1),
     length=st.integers(1, LEARNING_ROUNDS),
 )
+# A probe of several rounds loses each one's loss: weighed for one round,
+# this one would come every 64 rounds, not every 256.
+@example(loss=0.01, plain=0.01, length=LEARNING_ROUNDS)
 def test_parked_probes_lose_at_most_their_share_of_the_time(loss, plain, length):
     """A parked policy probes every ``REPROBE_EVERY`` rounds times the least
     power of two whose parked time makes what the probe's rounds lose
