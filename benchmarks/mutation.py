@@ -518,8 +518,8 @@ MUTANTS = [
     Mutant(
         "survival without the product",
         "mlx_dspark/confidence/calibration.py",
-        "return np.cumprod(sigmoid(z)).tolist()",
-        "return sigmoid(z).tolist()",
+        "    return np.cumprod(kept_rates(logits, temperatures)).tolist()\n",
+        "    return kept_rates(logits, temperatures)\n",
         ("tests/test_confidence.py",),
     ),
     # What the assistant is handed: the proposal its commit takes, and the
@@ -791,8 +791,8 @@ MUTANTS = [
     Mutant(
         "costs measured ahead at the bucket above the one named",
         "mlx_dspark/batching/measure.py",
-        "depth = bucket * 3 // 4",
-        "depth = bucket + 1",
+        "        depth = bucket * 3 // 4\n        for batch in batches:\n",
+        "        depth = bucket + 1\n        for batch in batches:\n",
         ("tests/test_costs_command.py",),
     ),
     Mutant(
@@ -869,9 +869,10 @@ MUTANTS = [
         "a single stream's pacing learns anew every generation",
         SPEC + "pacing.py",
         "        self.policy = scheduler.paced_policies.setdefault(\n"
-        "            (drafts, getattr(timer, \"key\", None), threading.get_ident()), BatchPolicy()\n"
+        "            (drafts, getattr(timer, \"key\", None), threading.get_ident()),\n"
+        "            BatchPolicy(probe_first=True),\n"
         "        )\n",
-        "        self.policy = BatchPolicy()\n",
+        "        self.policy = BatchPolicy(probe_first=True)\n",
         ("tests/test_pacing.py", "-k", "slower_than_measured"),
     ),
     Mutant(
@@ -1248,15 +1249,21 @@ def copy_tree(destination: Path) -> None:
             shutil.copy(source, destination / name)
 
 
-def apply(mutant: Mutant, tree: Path) -> None:
-    path = tree / mutant.path
-    text = path.read_text()
+def check(mutant: Mutant, tree: Path) -> str:
+    """The text of the mutant's file in ``tree``, which holds the text to
+    mutate exactly once."""
+    text = (tree / mutant.path).read_text()
     if text.count(mutant.old) != 1:
         raise SystemExit(
             f"{mutant.name}: the text to mutate occurs {text.count(mutant.old)} "
             f"times in {mutant.path} (expected once); update the mutant."
         )
-    path.write_text(text.replace(mutant.old, mutant.new))
+    return text
+
+
+def apply(mutant: Mutant, tree: Path) -> None:
+    text = check(mutant, tree)
+    (tree / mutant.path).write_text(text.replace(mutant.old, mutant.new))
 
 
 def run(mutant: Mutant, timeout: float) -> Tuple[str, float]:
@@ -1336,6 +1343,8 @@ def main():
     mutants = [
         m for m in MUTANTS if not args.only or any(s in m.name for s in args.only)
     ]
+    for mutant in mutants:  # all of them before the first run (an hour)
+        check(mutant, ROOT)
     results = []
     for mutant in mutants:
         outcome, seconds = run(mutant, args.timeout)
