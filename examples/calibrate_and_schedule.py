@@ -62,7 +62,7 @@ def main():
     model, tokenizer = load(args.model)
     prompts = calibrate.read_prompts(Path(args.prompts))[:8]
     schedulers = {
-        "fixed": {},
+        "fixed": {"scheduler": "fixed"},
         f"threshold {args.threshold}": {"confidence_threshold": args.threshold},
         "cost": {"scheduler": "cost", "calibration": out},
     }

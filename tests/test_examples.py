@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,10 @@ def test_custom_drafter_plugin_installs_and_generates(tmp_path):
          str(EXAMPLES / "custom_drafter_plugin")],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
+    # It depends on this distribution, not on the index's other mlx-dspark.
+    [plugin] = metadata.distributions(path=[str(site)])
+    ours = re.search(r'^name = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert plugin.requires == [ours[1]]
     with_plugin = {"PYTHONPATH": str(site)}
     run("-m", "mlx_dspark_bigram.build", "--model", TARGET, "--out",
         tmp_path / "bigram", **with_plugin)  # fmt: skip

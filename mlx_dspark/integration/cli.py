@@ -29,9 +29,11 @@ HELP = """\
 mlx-dspark (hidden-state speculative drafters, e.g. DeepSeek DSpark/DFlash):
   --draft-model PATH_OR_HUB_ID   may also be a DSpark/DFlash drafter checkpoint
   --num-draft-tokens N           with such a drafter: drafts verified per round,
-                                 1 .. its trained block size (the default)
+                                 default its trained block size (at most that
+                                 for DSpark/DFlash, 32 for a Gemma-4 assistant)
   --draft-confidence-threshold T verify drafts only up to the first whose
-                                 confidence is below T (DSpark; default 0: all)
+                                 confidence is below T (DSpark; default 0: none,
+                                 the scheduler decides)
   --draft-scheduler {fixed,threshold,cost}
                                  drafts verified per round (DSpark): all, up to
                                  the threshold, or as many as maximise expected
