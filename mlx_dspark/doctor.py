@@ -103,9 +103,19 @@ def threshold_estimates(rounds, costs: dict, thresholds=THRESHOLDS) -> List[dict
     return rows
 
 
+def round_costs(costs: dict):
+    """``costs`` (as ``measure`` gives them) as ``RoundCosts``: a drafter
+    that drafts one at a time costs less for fewer drafts."""
+    from .confidence.costs import RoundCosts
+
+    return RoundCosts(
+        costs["draft"], costs["verify"], costs.get("draft_one"), costs.get("drafts", 1)
+    )
+
+
 def speedup(survival: Sequence[float], drafts: int, costs: dict) -> dict:
     tau = 1 + sum(survival[:drafts])
-    seconds = costs["draft"] + costs["verify"][drafts]
+    seconds = round_costs(costs).drafting(drafts) + costs["verify"][drafts]
     return {
         "drafts": drafts,
         "tau": round(tau, 3),
@@ -124,7 +134,6 @@ def estimate(
     about as fast as the best, the most). Where its rule would park, the
     row shows what drafting the best count would give (below 1x)."""
     from .batching.policy import best_drafts
-    from .confidence.costs import RoundCosts
 
     limit = min(len(survival), len(costs["verify"]) - 1, drafter["max_draft_tokens"])
     block_size = min(drafter["block_size"], limit)
@@ -140,7 +149,7 @@ def estimate(
         # Survival to each position's acceptance given the ones before it.
         survived = [1.0, *survival[:limit]]
         rates = [s / p if p else 0.0 for p, s in zip(survived, survived[1:])]
-        chosen = best_drafts([rates], [limit], RoundCosts(costs["draft"], costs["verify"]))
+        chosen = best_drafts([rates], [limit], round_costs(costs))
         rows.append({"scheduler": "cost", **speedup(survival, chosen or best, costs)})
     return rows
 
@@ -293,7 +302,8 @@ def measure(model, drafter, target, depth: int, verify: int):
         drafter.block_size,
         lambda: anchor,
     )
-    bar = progress(total=REPEATS * (verify + 1), desc="measuring", unit="timing")
+    drafts = min(drafter.block_size, 2)  # proposals timed: of the block and of one
+    bar = progress(total=REPEATS * (verify + drafts), desc="measuring", unit="timing")
     costs = timer(range(1, verify + 1), tick=bar.update)
     bar.close()
 
@@ -320,6 +330,8 @@ def measure(model, drafter, target, depth: int, verify: int):
         "depth": depth,
         "decode": costs.verify[0],
         "draft": costs.draft,
+        "draft_one": costs.draft_one,
+        "drafts": costs.drafts,
         "verify": costs.verify,
     }, draft_seconds
 
@@ -362,7 +374,7 @@ def precisions(draft_path: str, drafter, draft_seconds, survival, costs) -> List
     limit = min(len(survival), len(costs["verify"]) - 1, drafter.max_draft_tokens)
     for bits in (8, 4):
         seconds = draft_seconds(quantized_copy(draft_path, bits))
-        at = {**costs, "draft": seconds}
+        at = {**costs, "draft": seconds, "draft_one": None}
         best = max(
             (speedup(survival, k, at) for k in range(1, limit + 1)),
             key=lambda row: row["speedup"],
@@ -377,14 +389,20 @@ def read_costs(path: str) -> dict:
     try:
         costs = json.loads(Path(path).read_text())
         seconds = [costs["draft"], *costs["verify"]]
+        if "draft_one" in costs:
+            seconds.append(costs["draft_one"])
         if len(seconds) < 3 or not all(
             isinstance(c, (int, float)) and c > 0 for c in seconds
         ):
             raise ValueError("costs must be positive")
+        drafts = costs.get("drafts", 1)
+        if not isinstance(drafts, int) or drafts < 1:
+            raise ValueError("drafts must be a positive integer")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(
             f"{path} needs positive seconds: "
-            '{"draft": s, "verify": [s for 1 token, 2 tokens, ...]} '
+            '{"draft": s, "verify": [s for 1 token, 2 tokens, ...]}, and may have '
+            '"draft_one": s and "drafts": n (a draft of one, of n) '
             f"({type(e).__name__}: {e})"
         ) from None
     return {"decode": costs["verify"][0], **costs}

@@ -7,6 +7,7 @@ import logging
 import math
 import random
 from collections import Counter
+from types import SimpleNamespace
 from unittest import mock
 
 import mlx.core as mx
@@ -1332,6 +1333,54 @@ def test_policy_parks_when_verifying_more_rows_costs_too_much():
     hopeless = RoundCosts(draft=0.004, verify=[0.010 * (n + 1) ** 2 for n in range(5)])
     policy = BatchPolicy(lambda batch, depth: hopeless)
     assert not any(policy.choose(rates, [4] * 8, 100) for _ in range(32))
+
+
+def test_a_drafter_that_drafts_one_at_a_time_is_charged_for_the_drafts_it_draws():
+    """The Gemma-4 assistant drafts a step a draft: a round of two drafts
+    costs two steps, not the six of a whole proposal. On the H200's flat
+    bf16 verify curve, at acceptance falling by position, drafts charged a
+    whole proposal each round would park; charged by the drafts drawn, two
+    pay. The policy's rounds are predicted the same way, so what it learns
+    a drafting round costs beyond them is the real excess."""
+    verify = [c / 1000 for c in (12.8, 15.7, 15.8, 15.9, 16.1, 16.4, 16.0)]
+    whole = RoundCosts(draft=0.030, verify=verify)
+    by_step = RoundCosts(draft=0.030, verify=verify, draft_one=0.005, drafts=6)
+    assert [by_step.drafting(k) for k in range(8)] == pytest.approx(
+        [0.0, 0.005, 0.010, 0.015, 0.020, 0.025, 0.030, 0.030]
+    )
+    rates = [[0.7, 0.55, 0.45, 0.35, 0.3, 0.25]]
+    assert best_drafts(rates, [6], whole) == 0
+    assert best_drafts(rates, [6], by_step) == 2
+
+    policy = BatchPolicy(lambda batch, depth: by_step)
+    for _ in range(4 * WARM_ROUNDS + LEARNING_ROUNDS):
+        k = policy.choose(rates, [6], 100)
+        policy.observe(verify[k] + by_step.drafting(k) + 0.001)
+    assert policy.overheads[1, True] == pytest.approx(0.001)
+
+
+def test_a_server_batch_times_the_drafts_its_rounds_draw(monkeypatch):
+    """The batch's round costs are timed for the drafts its rounds draw at
+    most: the server's ``--num-draft-tokens`` where it fits the drafter,
+    else its block size (the commands' default), not the drafter's limit.
+    The Gemma-4 assistant may draft up to 32, a step a draft: timed at 32,
+    each drafting round of a server was charged five times its six steps,
+    and verifies of up to 33 rows were measured that no round ran."""
+    from mlx_dspark.integration import server
+
+    _, model = assistant_case("dense")
+    drafter = assistant_for("dense")
+    assert drafter.max_draft_tokens > drafter.block_size
+    monkeypatch.setattr(server.local, "batch_pair", None, raising=False)
+    for given, drafts in ((None, drafter.block_size), (3, 3), (99, drafter.block_size)):
+        provider = SimpleNamespace(
+            model=model, draft_model=drafter, cli_args=SimpleNamespace(num_draft_tokens=given)
+        )
+        server.make_batchable(provider)
+        generator = server.batch_generator(server.local.batch_pair, model)
+        timer, _ = generator._profile()
+        assert generator.num_draft_tokens == timer.drafts == drafts
+        assert timer.verify_rows == drafts + 1
 
 
 def test_among_draft_counts_about_as_fast_a_round_drafts_the_most():

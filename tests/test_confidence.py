@@ -695,6 +695,72 @@ def test_a_profile_measured_across_rounds_keeps_the_fastest_pass_of_each_part(tm
     assert costs == RoundCosts(0.002, fast)
 
 
+def test_a_proposal_is_timed_at_its_drafts_and_at_one(monkeypatch):
+    """A drafter that drafts a step a draft (the Gemma-4 assistant) costs
+    less for fewer drafts: the timer times a proposal of its drafts and of
+    one, and a proposal of k drafts costs between the two, linearly (on an
+    injected clock). A block drafter's (DSpark, DFlash) costs the same for
+    any number."""
+    clock = Clock()
+    monkeypatch.setattr(costs_module, "time", clock)
+
+    def work(seconds):
+        clock.now += seconds
+        return mx.zeros(1)
+
+    def timer(draft):
+        return costs_module.RoundTimer(
+            model=None, drafter=None, drafts=6, verify=lambda n: work(0.010), draft=draft
+        )
+
+    steps = timer(lambda n: work(0.001 * n))()
+    assert (steps.draft, steps.draft_one, steps.drafts) == pytest.approx((0.006, 0.001, 6))
+    assert [steps.drafting(k) for k in range(8)] == pytest.approx(
+        [0.0, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.006]
+    )
+    block = timer(lambda n: work(0.004))()
+    assert [block.drafting(k) for k in range(1, 7)] == pytest.approx([0.004] * 6)
+
+
+def test_two_processes_writing_one_profile_keep_each_others_measurements(tmp_path):
+    """Processes that share a profile (a server and ``mlx_dspark costs``,
+    two workers) each write the buckets the other measured meanwhile, and
+    the newer measurement of a bucket; each through a file of its own, so
+    none is left half written or behind."""
+    path = tmp_path / "profile.json"
+    first, second = CostProfile(path), CostProfile(path)
+    first.costs(100, CountingTimer(0.002, [0.01, 0.011]))
+    second.costs(1000, CountingTimer(0.002, [0.01, 0.011]))
+    assert set(json.loads(path.read_text())) == {"512", "1024"}
+    newer = CostProfile(path, max_age=-1.0)  # re-measures what it reads
+    newer.costs(100, CountingTimer(0.003, [0.02, 0.021]))
+    first.costs(2000, CountingTimer(0.002, [0.01, 0.011]))
+    entries = json.loads(path.read_text())
+    assert set(entries) == {"512", "1024", "2048"} and entries["512"]["draft"] == 0.003
+    assert list(tmp_path.iterdir()) == [path]
+
+
+def test_a_profile_is_kept_per_drafter_precision_and_not_per_object(tiny_pair):
+    """A drafter's costs depend on its network's precision, not only on its
+    checkpoint: a drafter loaded in float16 has a profile of its own. A
+    drafter without a fingerprint or a ``repr`` of its own (a plugin's) is
+    known by its class, not by its object's address, which would give every
+    process a new profile file."""
+    model, drafter = tiny_pair
+
+    def key(drafter):
+        return costs_module.RoundTimer(model, drafter, 4, None, None).key
+
+    half = mlx_dspark.load_drafter(DSPARK, calibration=False, dtype="float16")
+    assert half.fingerprint == drafter.fingerprint and key(half) != key(drafter)
+
+    class Bare:
+        def __init__(self, network):
+            self.model = network
+
+    assert key(Bare(drafter.model)) == key(Bare(drafter.model)) != key(Bare(half.model))
+
+
 def test_a_cost_is_the_fastest_of_its_repeats(monkeypatch):
     """Whatever else the host does while a verify length is timed (in a
     server, the threads streaming the last round's tokens) only adds time:
@@ -716,7 +782,7 @@ def test_a_cost_is_the_fastest_of_its_repeats(monkeypatch):
 
     timer = costs_module.RoundTimer(
         model=None, drafter=None, drafts=1,
-        verify=lambda n: timed(0.010 * n)(), draft=timed(0.002),
+        verify=lambda n: timed(0.010 * n)(), draft=lambda n: timed(0.002)(),
     )
     measured = timer()
     assert measured.draft == pytest.approx(0.002)
@@ -1241,7 +1307,10 @@ def test_generate_with_the_cost_scheduler_and_shipped_calibration(tmp_path, monk
     ).key
     path = costs_module.profile_path(key)
     path.parent.mkdir(parents=True)
-    entry = dict(draft=0.001, verify=[1.0] * 16, depth=512, measured_at=time.time())
+    entry = dict(
+        draft=0.001, drafts=drafter.block_size, verify=[1.0] * 16, depth=512,
+        measured_at=time.time(),
+    )
     path.write_text(json.dumps({"512": entry}))
     common = ("--model", TARGET, "--prompt", PROMPT, "--max-tokens", 40)
     common += ("--ignore-chat-template",)

@@ -74,10 +74,13 @@ def test_doctor_reports_install_pair_costs_and_consistent_estimates():
     rows = report["schedulers"]
     assert rows[0]["scheduler"] == "fixed" and rows[0]["drafts"] == 4
     assert rows[-1]["scheduler"] == "cost"
+    # A proposal of k drafts costs between one's and the block's, linearly.
+    assert costs["drafts"] == 4 and costs["draft_one"] > 0
     for row in rows:
         k = row["drafts"]
         tau = 1 + sum(survival[:k])
-        seconds = costs["draft"] + costs["verify"][k]
+        drafting = costs["draft_one"] + (costs["draft"] - costs["draft_one"]) * (k - 1) / 3
+        seconds = drafting + costs["verify"][k]
         assert row["tau"] == pytest.approx(tau, abs=1e-3)
         assert row["speedup"] == pytest.approx(
             tau * costs["decode"] / seconds, abs=1e-3

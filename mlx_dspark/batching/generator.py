@@ -729,7 +729,7 @@ class SpeculativeBatchGenerator:
             timer = RoundTimer(
                 self.model,
                 self.drafter,
-                self.drafter.max_draft_tokens,
+                self.num_draft_tokens,
                 self._time_verify,
                 self._time_draft,
                 batch=0,  # one profile for every batch size, keyed by size
@@ -781,11 +781,9 @@ class SpeculativeBatchGenerator:
             c.trim(n)
         return out.logits, out.hidden
 
-    def _time_draft(self):
+    def _time_draft(self, drafts: int):
         self._commit_parked()
-        proposal = self._propose(
-            self._generation, self._anchors(), self.drafter.max_draft_tokens
-        )
+        proposal = self._propose(self._generation, self._anchors(), drafts)
         return proposal.tokens, proposal.confidence
 
     def _step(self):

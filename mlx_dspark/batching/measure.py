@@ -30,6 +30,7 @@ import random
 import sys
 import time
 from dataclasses import replace
+from typing import Optional
 
 import mlx.core as mx
 
@@ -37,6 +38,7 @@ from ..confidence.costs import depth_bucket, launch_settings_for_speculation
 from ..confidence.schedulers import CostScheduler
 from ..progress import progress
 from ..speculative.engine import speculative_generate_step
+from ..validation import check_num_draft_tokens
 from .generator import SpeculativeBatchGenerator
 from .policy import FixedPolicy
 
@@ -55,11 +57,15 @@ def buckets(context: int) -> list:
         bucket = depth_bucket(bucket + 1)
 
 
-def measure_ahead(model, drafter, batches, context: int, vocab_size: int, seed: int = 0):
+def measure_ahead(
+    model, drafter, batches, context: int, vocab_size: int, seed: int = 0,
+    num_draft_tokens: Optional[int] = None,
+):
     """Yield ``(batch, bucket, RoundCosts, seconds)`` for every batch size and
     depth bucket up to ``context``, measured on a batch of random prompts
     (in ``seconds``, prefill included) unless the profile on disk has them
-    (``seconds`` ``None``)."""
+    (``seconds`` ``None``), for rounds of ``num_draft_tokens`` drafts at
+    most (by default the drafter's block size)."""
     rng = random.Random(seed)
     for bucket in buckets(context):
         depth = bucket * 3 // 4
@@ -68,6 +74,7 @@ def measure_ahead(model, drafter, batches, context: int, vocab_size: int, seed: 
             generator = SpeculativeBatchGenerator(
                 model, drafter, policy=FixedPolicy(), pipeline=False,
                 prefill_batch_size=min(batch, PREFILL_BATCH), completion_batch_size=batch,
+                num_draft_tokens=num_draft_tokens,
             )
             costs = generator.profiled_costs(batch, depth)
             if costs is not None:
@@ -100,10 +107,13 @@ class _KeepsTimer(CostScheduler):
         return super().profile(timer)
 
 
-def measure_stream_ahead(model, drafter, context: int, vocab_size: int, seed: int = 0):
+def measure_stream_ahead(
+    model, drafter, context: int, vocab_size: int, seed: int = 0,
+    num_draft_tokens: Optional[int] = None,
+):
     """Yield ``(bucket, RoundCosts, seconds)`` for every depth bucket up to
-    ``context``: a single greedy stream's costs with the drafter's default
-    drafts a round, measured on the live caches of a generation from a
+    ``context``: a single greedy stream's costs with ``num_draft_tokens``
+    drafts a round at most (by default the drafter's block size), measured on the live caches of a generation from a
     random prompt (``seconds``, prefill included) unless the profile on disk
     has them (``seconds`` ``None``). Measured whole once its first round has
     handed the scheduler its timer: left to measure a few lengths a round, a
@@ -121,7 +131,10 @@ def measure_stream_ahead(model, drafter, context: int, vocab_size: int, seed: in
             yield bucket, kept, None
             continue
         tic = time.perf_counter()
-        steps = speculative_generate_step(prompt, model, drafter, max_tokens=8, scheduler=scheduler)
+        steps = speculative_generate_step(
+            prompt, model, drafter, max_tokens=8, scheduler=scheduler,
+            num_draft_tokens=num_draft_tokens,
+        )
         for _ in itertools.islice(steps, 2):  # the prompt's token, then a round's
             pass
         profile = scheduler.profile(scheduler.timer)
@@ -157,6 +170,11 @@ def parser() -> argparse.ArgumentParser:
         help=f"measure every depth bucket (powers of two from 512) up to this "
         f"many tokens of context (default {DEFAULT_CONTEXT})",
     )
+    p.add_argument(
+        "--num-draft-tokens", type=int,
+        help="drafts a round at most, as the server or mlx_lm.generate is given "
+        "them (default: the drafter's block size, their default too)",
+    )
     return p
 
 
@@ -178,6 +196,8 @@ def main(argv=None) -> int:
     try:
         check(args)
         model, tokenizer, drafter, _ = load_pair(args.model, args.draft_model, None)
+        if args.num_draft_tokens is not None:
+            check_num_draft_tokens(args.num_draft_tokens, drafter, "--num-draft-tokens")
         # As the server with this drafter launches its rounds (and keys its costs).
         launch_settings_for_speculation(model)
     except ValueError as e:
@@ -188,11 +208,16 @@ def main(argv=None) -> int:
     streams = (
         ("stream", bucket, costs, seconds)
         for bucket, costs, seconds in measure_stream_ahead(
-            model, drafter, args.context, tokenizer.vocab_size
+            model, drafter, args.context, tokenizer.vocab_size,
+            num_draft_tokens=args.num_draft_tokens,
         )
     )
     measured = itertools.chain(
-        streams, measure_ahead(model, drafter, batches, args.context, tokenizer.vocab_size)
+        streams,
+        measure_ahead(
+            model, drafter, batches, args.context, tokenizer.vocab_size,
+            num_draft_tokens=args.num_draft_tokens,
+        ),
     )
     try:
         for batch, bucket, costs, seconds in progress(measured, total=jobs, desc="measuring"):
@@ -213,7 +238,8 @@ def report(batch, bucket, costs, seconds) -> None:
     rounds = "a single stream" if batch == "stream" else f"batch {batch:>3}"
     print(
         f"{rounds}, depth bucket {bucket:>6} ({how}): "
-        f"draft {1e3 * costs.draft:.1f} ms, verify of 1..{len(costs.verify)} "
+        f"draft {1e3 * costs.draft:.1f} ms ({costs.drafts} drafts; one "
+        f"{1e3 * costs.drafting(1):.1f} ms), verify of 1..{len(costs.verify)} "
         f"tokens a sequence {verify} ms",
         flush=True,
     )

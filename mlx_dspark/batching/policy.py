@@ -50,6 +50,7 @@ sequence (a sequence's own confidence ``z_j`` sees its drafts before ``j``
 only), never from a later position.
 """
 
+import dataclasses
 import logging
 import statistics
 from collections import Counter, defaultdict, deque
@@ -197,9 +198,14 @@ def interpolate(measured: dict, batch: int) -> RoundCosts:
         return measured[below if above is None else above]
     t = (batch - below) / (above - below)
     low, high = measured[below], measured[above]
+    one = None
+    if low.draft_one is not None and high.draft_one is not None:
+        one = (1 - t) * low.draft_one + t * high.draft_one
     return RoundCosts(
         draft=(1 - t) * low.draft + t * high.draft,
         verify=[(1 - t) * a + t * b for a, b in zip(low.verify, high.verify)],
+        draft_one=one,
+        drafts=low.drafts,
     )
 
 
@@ -228,7 +234,7 @@ def best_drafts(
     speeds, widths = [], []
     for k in range(min(max(caps, default=0), len(costs.verify) - 1) + 1):
         w = width(k) if k and width else k
-        seconds = costs.verify[w] + (costs.draft if k else 0.0) + (switch if w != keep else 0.0)
+        seconds = costs.verify[w] + costs.drafting(w) + (switch if w != keep else 0.0)
         tokens = sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
         speeds.append(tokens / seconds)
         widths.append(w)
@@ -425,14 +431,14 @@ class BatchPolicy:
                     # acceptance would otherwise cut short.)
                     tokens = sum(expected_tokens(r, min(hopeful, c)) for r, c in zip(rates, caps))
                     plain = costs.verify[0]
-                    loss = costs.verify[hopeful] + costs.draft - tokens * plain / len(caps)
+                    loss = costs.verify[hopeful] + costs.drafting(hopeful) - tokens * plain / len(caps)
                     loss += 2 * self.switch_cost / length
                     self._reprobe = reprobe_every(loss, plain, length)
                 first = self.probe_first and hopeful > self.deepest
                 if first or _probing(self.parked, length, self._reprobe):
                     k = hopeful
         self.deepest = max(self.deepest, k)
-        predicted = measured.verify[k] + (measured.draft if k else 0.0)
+        predicted = measured.verify[k] + measured.drafting(k)
         self._chosen.append((batch, k, k > 0, predicted))
         self._shape = (batch, k)
         return k
@@ -475,7 +481,7 @@ class BatchPolicy:
             return
         self._was_parked = k == 0
         shown = k or min(cap, len(costs.verify) - 1)
-        drafted = f", {shown} drafts {1000 * (costs.verify[shown] + costs.draft):.1f} ms" if shown else ""
+        drafted = f", {shown} drafts {1000 * (costs.verify[shown] + costs.drafting(shown)):.1f} ms" if shown else ""
         overheads = {
             f"{b} {'drafted' if d else 'plain'}": round(1000 * o, 1) for (b, d), o in self.overheads.items()
         }
@@ -500,16 +506,19 @@ class BatchPolicy:
         # Its drafts are drawn: verifying none of them is still a drafting
         # round, which pays the drafting rounds' overhead (in ``draft``), not
         # a plain round's as well.
-        realised = RoundCosts(self.realised(measured, batch).draft, measured.verify)
+        realised = dataclasses.replace(self.realised(measured, batch), verify=measured.verify)
         k = confident_drafts(survival, caps, realised)
         self.verifies(k, measured, batch)
         return k
 
     def verifies(self, drafts: int, measured: RoundCosts, batch: int = 1) -> None:
         """The round drafted and verifies ``drafts`` drafts (not what was
-        chosen): it is observed against ``measured`` costs of that."""
+        chosen): it is observed against ``measured`` costs of that. (It drew
+        at least one, and as many as it verifies: where it drew more, its
+        drafter drafts in blocks, whose cost is the same for any number.)"""
         if self._chosen and self._chosen[-1] is not None:
-            self._chosen[-1] = (batch, drafts, True, measured.verify[drafts] + measured.draft)
+            seconds = measured.verify[drafts] + measured.drafting(max(drafts, 1))
+            self._chosen[-1] = (batch, drafts, True, seconds)
         self._shape = (batch, drafts)
 
     def width(self, drafts: int, most: int, depth: int, batch: int) -> int:
@@ -535,8 +544,10 @@ class BatchPolicy:
         # A plain round's shortfall (see ``observe``) was learnt at another
         # depth or batch size, maybe: never more than half of this one's.
         plain = max(plain, -costs.verify[0] / 2)
-        return RoundCosts(
+        return dataclasses.replace(
+            costs,
             draft=costs.draft + drafting,
+            draft_one=None if costs.draft_one is None else costs.draft_one + drafting,
             verify=[costs.verify[0] + plain] + list(costs.verify[1:]),
         )
 

@@ -7,12 +7,14 @@ and device, one entry per context-depth bucket, re-measured when older than
 ``MAX_AGE`` or when a longer verify is needed.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import cached_property, partial
@@ -40,7 +42,10 @@ REPEATS = 3
 # 18-20 ms ones, and a single stream padded its verifies around them).
 # Part of the key of a profile, so that profiles measured another way are
 # measured again.
-TIMING = "fastest of the repeats, in passes over the parts, also across rounds"
+TIMING = (
+    "fastest of the repeats, in passes over the parts, also across rounds; "
+    "a draft of one and of all"
+)
 # MLX's settings of how kernels are launched, which change what a round
 # costs (on an H200, a bf16 verify took 31.7 ms with CUDA graphs and 20.8 ms
 # without): part of a profile's key where set.
@@ -84,10 +89,26 @@ NEAR_BUCKET_END = 64
 
 @dataclass
 class RoundCosts:
-    """Seconds for one draft and for verifying ``n`` tokens (``verify[n - 1]``)."""
+    """Seconds for a proposal of ``drafts`` drafts (``draft``) and of one
+    (``draft_one``, where measured), and for verifying ``n`` tokens
+    (``verify[n - 1]``)."""
 
     draft: float
     verify: List[float]
+    draft_one: Optional[float] = None
+    drafts: int = 1
+
+    def drafting(self, drafts: int) -> float:
+        """Seconds for a proposal of ``drafts`` drafts: linear between one
+        and ``self.drafts``. A drafter that drafts one at a time (the
+        Gemma-4 assistant, a step of its own a draft) costs less for fewer;
+        a block drafter (DSpark, DFlash) costs the same for any number."""
+        if drafts <= 0:
+            return 0.0
+        if self.draft_one is None or self.drafts <= 1:
+            return self.draft
+        share = (min(drafts, self.drafts) - 1) / (self.drafts - 1)
+        return self.draft_one + (self.draft - self.draft_one) * share
 
     def rounds_per_second(self, tokens: int) -> float:
         """Rounds per second when a round verifies ``tokens`` tokens."""
@@ -110,9 +131,9 @@ class RoundCosts:
 
     def padded(self) -> "RoundCosts":
         """These costs when every verify runs at its ``cheapest_rows``."""
-        return RoundCosts(
-            self.draft,
-            [self.verify[self.cheapest_rows(n) - 1] for n in range(1, len(self.verify) + 1)],
+        return dataclasses.replace(
+            self,
+            verify=[self.verify[self.cheapest_rows(n) - 1] for n in range(1, len(self.verify) + 1)],
         )
 
 
@@ -172,14 +193,32 @@ def device_identity() -> dict:
     return {k: info[k] for k in ("architecture", "device_name", "memory_size") if k in info}
 
 
+def drafter_identity(drafter) -> dict:
+    """What a drafter's costs depend on: its checkpoint (``fingerprint``,
+    else its ``repr``, else its class: never an object's address, which
+    would give every process a profile of its own) and its network's
+    shapes, precision and quantization."""
+    name = getattr(drafter, "fingerprint", None)
+    if name is None:
+        kind = type(drafter)
+        name = repr(drafter) if kind.__repr__ is not object.__repr__ else (
+            f"{kind.__module__}.{kind.__qualname__}"
+        )
+    network = getattr(drafter, "model", None)
+    return {
+        "checkpoint": name,
+        "network": model_fingerprint(network) if isinstance(network, nn.Module) else None,
+    }
+
+
 @dataclass
 class RoundTimer:
     """Times a round's parts on live caches, for rounds of ``drafts`` drafts.
 
     ``verify(n)`` runs the target on ``n`` tokens and rolls them back, which
     leaves the caches as a round whose drafts were all rejected leaves them;
-    ``draft()`` makes one proposal, which leaves the drafter's caches as they
-    were. Both return what to evaluate."""
+    ``draft(n)`` makes one proposal of ``n`` drafts, which leaves the
+    drafter's caches as they were. Both return what to evaluate."""
 
     model: nn.Module
     drafter: Any
@@ -197,7 +236,7 @@ class RoundTimer:
     def key(self) -> str:
         identity = {
             "target": model_fingerprint(self.model),
-            "drafter": getattr(self.drafter, "fingerprint", repr(self.drafter)),
+            "drafter": drafter_identity(self.drafter),
             "drafts": self.drafts,
             "batch": self.batch,
             **({"rows": self.rows} if self.rows else {}),
@@ -216,18 +255,22 @@ class RoundTimer:
         self, tokens: Optional[Iterable[int]] = None, draft: bool = True,
         tick: Optional[Callable[[], Any]] = None, repeats: int = REPEATS,
     ) -> RoundCosts:
-        """Costs of a draft (unless not ``draft``: 0) and of verifying each
-        of ``tokens`` tokens (by default ``1, 2, ...`` up to ``verify_rows``),
-        the fastest of ``repeats``; ``tick()`` after each part timed (a
-        progress bar's)."""
+        """Costs of a proposal of ``drafts`` drafts and of one (unless not
+        ``draft``: 0) and of verifying each of ``tokens`` tokens (by default
+        ``1, 2, ...`` up to ``verify_rows``), the fastest of ``repeats``;
+        ``tick()`` after each part timed (a progress bar's)."""
         tokens = range(1, self.verify_rows + 1) if tokens is None else tokens
+        drafts = []
+        if draft:
+            drafts = [partial(self.draft, self.drafts), partial(self.draft, 1)][: min(self.drafts, 2)]
         parts = [partial(self.verify, n) for n in tokens]
-        seconds = fastest_seconds(
-            *([self.draft] if draft else []), *parts, tick=tick, repeats=repeats
-        )
+        seconds = fastest_seconds(*drafts, *parts, tick=tick, repeats=repeats)
+        drafted = seconds[: len(drafts)]
         return RoundCosts(
-            draft=seconds[0] if draft else 0.0,
-            verify=seconds[1:] if draft else seconds,
+            draft=drafted[0] if drafted else 0.0,
+            verify=seconds[len(drafts):],
+            draft_one=drafted[-1] if drafted else None,
+            drafts=self.drafts,
         )
 
 
@@ -262,7 +305,7 @@ def live_timer(
 ) -> RoundTimer:
     """A ``RoundTimer`` on one sequence's live caches: verifies (of up to
     ``rows`` tokens) repeat the current ``anchor()`` and are rolled back,
-    drafts propose ``drafts``, after ``catch_up()`` (the drafter takes in
+    drafts propose ``drafts`` (and one), after ``catch_up()`` (the drafter takes in
     what it has yet to)."""
 
     def verify(n):
@@ -272,11 +315,11 @@ def live_timer(
             c.trim(n)
         return out.logits, out.hidden
 
-    def draft():
+    def draft(count):
         if catch_up is not None:
             catch_up()
         proposal = drafter.propose(
-            draft_cache, anchor(), drafts, target=target, target_cache=target_cache
+            draft_cache, anchor(), count, target=target, target_cache=target_cache
         )
         return proposal.tokens, proposal.confidence
 
@@ -301,29 +344,48 @@ class CostProfile:
             return {}
 
     def _write(self) -> None:
+        """Writes the entries, with those another process (a server, a
+        second worker, ``mlx_dspark costs``) wrote meanwhile: the newer
+        measurement of a bucket is kept. Each writer writes a file of its
+        own and moves it into place, so that a reader never sees half of
+        one."""
         if self.path is None:
             return
+        for key, entry in self._read().items():
+            mine = self.entries.get(key)
+            if not isinstance(mine, dict) or _measured_at(entry) > _measured_at(mine):
+                self.entries[key] = entry
+        written = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_suffix(".partial")
-            partial.write_text(json.dumps(self.entries, indent=1))
-            partial.replace(self.path)
+            with tempfile.NamedTemporaryFile(
+                "w", dir=self.path.parent, prefix=self.path.stem, suffix=".partial",
+                delete=False,
+            ) as f:
+                written = f.name
+                json.dump(self.entries, f, indent=1)
+            os.replace(written, self.path)
         except OSError:
-            pass  # an unwritable cache only costs a re-measurement next time
+            # An unwritable cache only costs a re-measurement next time.
+            if written is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(written)
 
     def _usable(self, entry, tokens: int) -> bool:
         """A well-formed entry, fresh, with a verify cost for ``tokens``."""
         if not isinstance(entry, dict):
             return False
         draft, verify = entry.get("draft"), entry.get("verify")
-        measured_at = entry.get("measured_at")
+        measured_at, drafts = entry.get("measured_at"), entry.get("drafts")
+        one = entry.get("draft_one")
         if not isinstance(verify, list) or not isinstance(measured_at, (int, float)):
             return False
         return (
             len(verify) == tokens
+            and isinstance(drafts, int) and drafts >= 1
             and all(
                 isinstance(c, (int, float)) and 0 < c < math.inf
-                for c in [draft, *verify]
+                for c in [draft, *([] if one is None else [one]), *verify]
             )
             and 0 <= time.time() - measured_at <= self.max_age
         )
@@ -360,19 +422,21 @@ class CostProfile:
             self._partial.pop(key, None)
             entry = dict(
                 draft=measured.draft,
+                draft_one=measured.draft_one,
+                drafts=measured.drafts,
                 verify=measured.verify,
                 depth=depth,
                 measured_at=time.time(),
             )
             self.entries[key] = entry
             self._write()
-        return RoundCosts(entry["draft"], entry["verify"])
+        return _costs(entry)
 
     def measured(self, depth: int, timer: RoundTimer) -> Optional[RoundCosts]:
         """A single stream's whole measurement at ``depth``, or ``None``."""
         entry = self.entries.get(self._entry_for(depth, None, timer.verify_rows))
         if self._usable(entry, timer.verify_rows):
-            return RoundCosts(entry["draft"], entry["verify"])
+            return _costs(entry)
         return None
 
     def known(self, depth: int, timer: RoundTimer) -> Optional[RoundCosts]:
@@ -413,7 +477,7 @@ class CostProfile:
         for key, entry in self.entries.items():
             batch, _, bucket = key.partition("x")
             if bucket == str(depth_bucket(depth)) and self._usable(entry, tokens):
-                found[int(batch)] = RoundCosts(entry["draft"], entry["verify"])
+                found[int(batch)] = _costs(entry)
         for batch, under_way in self.partial_batches(depth).items():
             if batch not in found and len(under_way.verify) == tokens:
                 found[batch] = under_way
@@ -458,12 +522,24 @@ class _Partial:
                     verify[n - 1] = min(verify[n - 1], seconds)
                 else:
                     verify.append(seconds)
-            draft = min(old.draft, timed.draft) if start == 1 else old.draft
-            self.fastest = RoundCosts(draft, verify)
+            draft, one = old.draft, old.draft_one
+            if start == 1:
+                draft = min(draft, timed.draft)
+                one = min((s for s in (one, timed.draft_one) if s is not None), default=None)
+            self.fastest = RoundCosts(draft, verify, one, timed.drafts)
         self.next_length = end + 1
         if end == timer.verify_rows:
             self.passes, self.next_length = self.passes + 1, 1
         return self.fastest
+
+
+def _measured_at(entry) -> float:
+    when = entry.get("measured_at") if isinstance(entry, dict) else None
+    return when if isinstance(when, (int, float)) else -math.inf
+
+
+def _costs(entry: dict) -> RoundCosts:
+    return RoundCosts(entry["draft"], entry["verify"], entry.get("draft_one"), entry["drafts"])
 
 
 def _entry_key(depth: int, batch: Optional[int]) -> str:

@@ -7,6 +7,7 @@ import copy
 import logging
 
 from ..cache import rollback_limit
+from ..validation import problem
 from .dispatch import StatsSlot, is_drafter, local, rollback_caches
 from .hooks import server_options
 
@@ -118,12 +119,17 @@ def serve_single(original, generator, request, stream):
 
 def make_batchable(provider) -> None:
     """A drafter that drafts for a batch makes the server batch requests
-    (``--draft-batch-policy off``: one at a time)."""
+    (``--draft-batch-policy off``: one at a time), with the server's
+    ``--num-draft-tokens`` (where it fits the drafter) as the drafts a round
+    the batch's costs are measured for."""
     drafter = provider.draft_model
     policy = server_options.get("batch_policy", "cost")
     if is_drafter(drafter) and hasattr(drafter, "propose_batch") and policy != "off":
         provider.is_batchable = True
-        local.batch_pair = (provider.model, drafter, policy)
+        drafts = getattr(getattr(provider, "cli_args", None), "num_draft_tokens", None)
+        if problem(drafts, "integer", 1, drafter.max_draft_tokens) is not None:
+            drafts = None
+        local.batch_pair = (provider.model, drafter, policy, drafts)
 
 
 def batch_generator(pair, model, **kwargs):
@@ -131,5 +137,7 @@ def batch_generator(pair, model, **kwargs):
     from ..batching.policy import POLICIES
     from .batch import ServerBatchGenerator
 
-    _, drafter, policy = pair
-    return ServerBatchGenerator(model, drafter, policy=POLICIES[policy](), **kwargs)
+    _, drafter, policy, drafts = pair
+    return ServerBatchGenerator(
+        model, drafter, policy=POLICIES[policy](), num_draft_tokens=drafts, **kwargs
+    )
