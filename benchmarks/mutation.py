@@ -347,7 +347,7 @@ MUTANTS = [
     Mutant(
         "a padded round is observed against the drafts judged",
         "mlx_dspark/batching/policy.py",
-        "            self._chosen[-1] = (batch, drafts, True, measured.verify[drafts] + measured.draft)",
+        "            self._chosen[-1] = (batch, drafts, True, seconds)",
         "            pass",
         ("tests/test_batching.py", "-k", "cost_of_its_width"),
     ),
@@ -475,8 +475,8 @@ MUTANTS = [
     Mutant(
         "a drafted round verifying none pays the plain rounds' overhead too",
         "mlx_dspark/batching/policy.py",
-        "        realised = RoundCosts(self.realised(measured, batch).draft, measured.verify)",
-        "        realised = self.realised(measured, batch)",
+        "        realised = RoundCosts(realised.drafting(drawn), measured.verify)",
+        "        realised = RoundCosts(realised.drafting(drawn), realised.verify)",
         ("tests/test_batching.py", "-k", "verifies_none_pays"),
     ),
     Mutant(
@@ -721,8 +721,8 @@ MUTANTS = [
     Mutant(
         "a change of drafts pays nothing for the change",
         "mlx_dspark/batching/policy.py",
-        "(costs.draft if k else 0.0) + (switch if w != keep else 0.0)",
-        "(costs.draft if k else 0.0)",
+        "costs.drafting(w) + (switch if w != keep else 0.0)",
+        "costs.drafting(w)",
         ("tests/test_batching.py", "-k", "keeps_its_drafts or width_stays"),
     ),
     Mutant(
@@ -886,14 +886,14 @@ MUTANTS = [
         "a round its confidences cut short is weighed against the drafts chosen",
         SPEC + "engine.py",
         "                    if num_verify != num_drafts:\n"
-        "                        pacing.verifies(num_verify, start)\n",
+        "                        pacing.verifies(num_verify, start, num_drafts)\n",
         "",
         ("tests/test_pacing.py", "-k", "fewer_drafts"),
     ),
     Mutant(
         "a single stream's pacing forgets what a round verifies",
         SPEC + "pacing.py",
-        "            self.policy.verifies(drafts, known.padded())\n",
+        "            self.policy.verifies(drafts, known.padded(), drawn=drawn)\n",
         "            pass\n",
         ("tests/test_pacing.py", "-k", "fewer_drafts"),
     ),
@@ -1159,9 +1159,8 @@ MUTANTS = [
     Mutant(
         "mlx_dspark costs measures a single stream with other drafts a round than it runs",
         "mlx_dspark/batching/measure.py",
-        "prompt, model, drafter, max_tokens=8, scheduler=scheduler)\n",
-        "prompt, model, drafter, max_tokens=8, scheduler=scheduler,\n"
-        "            num_draft_tokens=drafter.block_size - 1)\n",
+        "scheduler=scheduler,\n            num_draft_tokens=num_draft_tokens,\n",
+        "scheduler=scheduler,\n            num_draft_tokens=drafter.block_size - 1,\n",
         ("tests/test_costs_command.py", "-k", "single_stream"),
     ),
     Mutant(
@@ -1233,6 +1232,62 @@ MUTANTS = [
         "        launch_settings_for_speculation(model)\n",
         "        pass\n",
         ("tests/test_benchmarks.py", "-k", "launch_settings"),
+    ),
+    Mutant(
+        "a proposal of fewer drafts is charged as a whole one",
+        "mlx_dspark/confidence/costs.py",
+        "        if self.draft_one is None or self.drafts <= 1:\n            return self.draft\n",
+        "        return self.draft\n",
+        ("tests/test_confidence.py", "tests/test_batching.py", "-k", "one_at_a_time or timed_at_its_drafts"),
+    ),
+    Mutant(
+        "a server's batch times its drafts at the drafter's limit",
+        "mlx_dspark/batching/generator.py",
+        "                self.num_draft_tokens,\n                self._time_verify,\n",
+        "                self.drafter.max_draft_tokens,\n                self._time_verify,\n",
+        ("tests/test_batching.py", "-k", "rounds_draw"),
+    ),
+    Mutant(
+        "a round is observed at the drafts it verifies, not at those it drew",
+        "mlx_dspark/batching/policy.py",
+        "measured.drafting(max(drawn or drafts, 1))",
+        "measured.drafting(max(drafts, 1))",
+        ("tests/test_batching.py", "-k", "drew"),
+    ),
+    Mutant(
+        "a profile's write drops what other processes wrote meanwhile",
+        "mlx_dspark/confidence/costs.py",
+        "            if self._rank(entry) > self._rank(self.entries.get(key)):\n",
+        "            if False:\n",
+        ("tests/test_confidence.py", "-k", "two_processes"),
+    ),
+    Mutant(
+        "a stale whole measurement on disk beats the one under way",
+        "mlx_dspark/confidence/costs.py",
+        "        return (2 if fresh else 0, when)\n",
+        "        return (2, when)\n",
+        ("tests/test_confidence.py", "-k", "stale_profile"),
+    ),
+    Mutant(
+        "a measurement under way is kept in memory only",
+        "mlx_dspark/confidence/costs.py",
+        "                    self.entries[key] = under_way.entry(depth)\n",
+        "",
+        ("tests/test_confidence.py", "-k", "leaves_unfinished"),
+    ),
+    Mutant(
+        "a profile's key leaves out the drafter network's precision",
+        "mlx_dspark/confidence/costs.py",
+        '"network": model_fingerprint(network) if isinstance(network, nn.Module) else None,',
+        '"network": None,',
+        ("tests/test_confidence.py", "-k", "drafter_precision"),
+    ),
+    Mutant(
+        "the doctor charges every count of drafts a whole proposal",
+        "mlx_dspark/doctor.py",
+        '    seconds = round_costs(costs).drafting(drafts) + costs["verify"][drafts]\n',
+        '    seconds = costs["draft"] + costs["verify"][drafts]\n',
+        ("tests/test_doctor.py", "-k", "one_at_a_time"),
     ),
 ]
 

@@ -22,8 +22,9 @@ import argparse
 import contextlib
 import json
 import sys
+from functools import partial
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from .distribution import providers
 
@@ -307,23 +308,21 @@ def measure(model, drafter, target, depth: int, verify: int):
     costs = timer(range(1, verify + 1), tick=bar.update)
     bar.close()
 
-    def draft_seconds(other) -> float:
+    def draft_seconds(other) -> Tuple[float, float]:
+        """Seconds for ``other``'s proposal of a block, and of one draft."""
         cache = other.make_cache()
         for hidden in taps:
             other.commit(cache, hidden)
         mx.eval([c.state for c in cache])
 
-        def draft():
+        def draft(count):
             proposal = other.propose(
-                cache,
-                anchor,
-                other.block_size,
-                target=target,
-                target_cache=target_cache,
+                cache, anchor, count, target=target, target_cache=target_cache
             )
             return proposal.tokens, proposal.confidence
 
-        return fastest_seconds(draft)[0]
+        block, one = fastest_seconds(partial(draft, other.block_size), partial(draft, 1))
+        return block, one
 
     return {
         "device": mx.device_info().get("device_name", str(mx.default_device())),
@@ -373,8 +372,8 @@ def precisions(draft_path: str, drafter, draft_seconds, survival, costs) -> List
     rows = []
     limit = min(len(survival), len(costs["verify"]) - 1, drafter.max_draft_tokens)
     for bits in (8, 4):
-        seconds = draft_seconds(quantized_copy(draft_path, bits))
-        at = {**costs, "draft": seconds, "draft_one": None}
+        seconds, one = draft_seconds(quantized_copy(draft_path, bits))
+        at = {**costs, "draft": seconds, "draft_one": one}
         best = max(
             (speedup(survival, k, at) for k in range(1, limit + 1)),
             key=lambda row: row["speedup"],

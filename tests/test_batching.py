@@ -1346,7 +1346,7 @@ def test_a_drafter_that_drafts_one_at_a_time_is_charged_for_the_drafts_it_draws(
     whole = RoundCosts(draft=0.030, verify=verify)
     by_step = RoundCosts(draft=0.030, verify=verify, draft_one=0.005, drafts=6)
     assert [by_step.drafting(k) for k in range(8)] == pytest.approx(
-        [0.0, 0.005, 0.010, 0.015, 0.020, 0.025, 0.030, 0.030]
+        [0.0, 0.005, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035]
     )
     rates = [[0.7, 0.55, 0.45, 0.35, 0.3, 0.25]]
     assert best_drafts(rates, [6], whole) == 0
@@ -1356,6 +1356,20 @@ def test_a_drafter_that_drafts_one_at_a_time_is_charged_for_the_drafts_it_draws(
     for _ in range(4 * WARM_ROUNDS + LEARNING_ROUNDS):
         k = policy.choose(rates, [6], 100)
         policy.observe(verify[k] + by_step.drafting(k) + 0.001)
+    assert policy.overheads[1, True] == pytest.approx(0.001)
+
+
+def test_a_round_that_verifies_fewer_drafts_than_it_drew_is_observed_at_those_drawn():
+    """A round whose confidences verify one of the six drafts it drew paid
+    for six: observed against the proposal of one, its drafting would look
+    26 ms slower than it is, and the policy learn that much overhead."""
+    by_step = RoundCosts(draft=0.030, verify=[0.010] * 7, draft_one=0.005, drafts=6)
+    policy = BatchPolicy(lambda batch, depth: by_step)
+    for _ in range(4 * WARM_ROUNDS + LEARNING_ROUNDS):
+        k = policy.choose([[0.9] * 6], [6], 100)
+        if k:
+            policy.verifies(1, by_step, drawn=k)
+        policy.observe(0.010 + by_step.drafting(k) + 0.001)
     assert policy.overheads[1, True] == pytest.approx(0.001)
 
 
@@ -2075,7 +2089,7 @@ class RandomTruncatingPolicy(RandomPolicy):
     """Drafts as ``RandomPolicy``, then verifies a random number of them
     once their confidences are read (any number is lossless at T = 0)."""
 
-    def truncate(self, survival, caps, depth, batch=None):
+    def truncate(self, survival, caps, depth, batch=None, drawn=None):
         return self.random.randint(0, max(caps, default=0))
 
 
@@ -2216,7 +2230,7 @@ def test_each_rows_refused_drafts_count_at_their_own_positions_confidences(monke
     monkeypatch.setattr(drafter, "propose_batch", confident)
     counted = counted_expectations(monkeypatch)
     policy = untimed_cost_policy(RoundCosts(draft=0.002, verify=[0.010] + [0.0101] * 4))
-    policy.truncate = lambda survival, caps, depth, batch=None: min(2, max(caps))
+    policy.truncate = lambda survival, caps, depth, batch=None, drawn=None: min(2, max(caps))
     generator = SpeculativeBatchGenerator(model, drafter, policy=policy)
     prompts = [[65, 211, 266, 241], [7, 300, 12, 99, 45]]
     tokens, _ = run(generator, [(0, p, dict(max_tokens=[48])) for p in prompts])

@@ -615,14 +615,14 @@ def test_a_profile_measured_a_few_verifies_at_a_time_is_the_whole_measurement(tm
     call) rather than stopping every request for all of them: each call
     times only the next lengths once, in passes over every length (the
     draft once a pass) so that the repeats of one length fall in different
-    rounds, returns what is known so far, and the profile is kept on disk
-    only once all passes are done."""
+    rounds, returns what is known so far, and the profile keeps it on disk
+    as a measurement under way until all passes are done."""
     path = tmp_path / "profile.json"
     timer = CountingTimer(0.002, [0.01, 0.011, 0.012, 0.013, 0.014])
     profile = CostProfile(path)
     calls = 3 * costs_module.REPEATS
     seen = [profile.costs(100, timer, batch=4, most=2) for _ in range(calls - 1)]
-    assert not path.exists()
+    assert json.loads(path.read_text())["4x512"]["passes"] == costs_module.REPEATS - 1
     seen.append(profile.costs(100, timer, batch=4, most=2))
     assert [len(c.verify) for c in seen] == [2, 4] + [5] * (calls - 2)
     assert timer.verified == [1, 2, 3, 4, 5] * costs_module.REPEATS
@@ -630,17 +630,66 @@ def test_a_profile_measured_a_few_verifies_at_a_time_is_the_whole_measurement(tm
     assert seen[-1] == timer.costs
     assert CostProfile(path).costs(300, timer, batch=4, most=2) == timer.costs
     assert timer.calls == calls  # read back, not measured again
-    # Partial measurements are not taken for complete ones, nor kept on disk.
+    # Partial measurements are not taken for complete ones, on disk either.
     profile.costs(100, timer, batch=8, most=2)
     assert 8 not in profile.measured_batches(100, timer.verify_rows)
-    assert "8x512" not in json.loads(path.read_text())
+    assert 8 not in CostProfile(path).measured_batches(100, timer.verify_rows)
+    assert json.loads(path.read_text())["8x512"]["passes"] == 0
     assert profile.partial_batches(100) == {8: RoundCosts(0.002, [0.01, 0.011])}
+    assert CostProfile(path).partial_batches(100) == profile.partial_batches(100)
     assert profile.partial_batches(600) == {}
     # Once an entry goes stale it is measured again from the start, draft included.
     profile.max_age = -1.0
     timer.verified, timer.drafts_timed = [], 0
     again = profile.costs(100, timer, batch=4, most=2)
     assert timer.verified == [1, 2] and timer.drafts_timed == 1 and len(again.verify) == 2
+
+
+def test_a_measurement_a_process_leaves_unfinished_the_next_goes_on_from(tmp_path):
+    """A short generation (``mlx_lm.generate``, a few rounds) can end before
+    its bucket's measurement, spread over its rounds, is done: the next
+    process goes on where it stopped, instead of measuring the bucket from
+    its first length again in every run. No reader takes it for a complete
+    measurement, and one malformed on disk is measured afresh."""
+    path = tmp_path / "profile.json"
+    timer = CountingTimer(0.002, [0.01, 0.011, 0.012, 0.013, 0.014])
+    first = CostProfile(path)
+    first.costs(100, timer, most=2)
+    first.costs(100, timer, most=2)
+    assert CostProfile(path).measured(100, timer) is None
+    second = CostProfile(path)
+    assert second.known(100, timer).verify == [0.01, 0.011, 0.012, 0.013]
+    while second.measured(100, timer) is None:
+        second.costs(100, timer, most=2)
+    assert timer.verified == [1, 2, 3, 4, 5] * costs_module.REPEATS
+    assert CostProfile(path).measured(100, timer) == timer.costs
+
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"512": {"passes": 1, "next_length": 3, "verify": "x"}, "4x512": 5}))
+    timer.verified = []
+    profile = CostProfile(broken)
+    assert profile.partial_batches(100) == {}
+    profile.costs(100, timer, most=2)
+    assert timer.verified == [1, 2]
+
+
+def test_a_stale_profile_is_measured_again_to_the_end(tmp_path):
+    """A bucket measured more than ``MAX_AGE`` ago is measured again across
+    rounds, and the new measurement replaces it: the stale one on disk never
+    wins over the one under way (each round would time the first lengths
+    again, for good)."""
+    path = tmp_path / "profile.json"
+    stale = dict(
+        draft=0.001, drafts=1, verify=[0.02] * 5, depth=512,
+        measured_at=time.time() - costs_module.MAX_AGE - 60,
+    )
+    path.write_text(json.dumps({"512": stale}))
+    timer = CountingTimer(0.002, [0.01, 0.011, 0.012, 0.013, 0.014])
+    profile = CostProfile(path)
+    for _ in range(3 * costs_module.REPEATS):
+        profile.costs(100, timer, most=2)
+    assert timer.verified == [1, 2, 3, 4, 5] * costs_module.REPEATS
+    assert CostProfile(path).measured(100, timer) == timer.costs
 
 
 def test_a_measurement_under_way_expires_and_a_failed_timing_leaves_none(tmp_path):
@@ -716,7 +765,7 @@ def test_a_proposal_is_timed_at_its_drafts_and_at_one(monkeypatch):
     steps = timer(lambda n: work(0.001 * n))()
     assert (steps.draft, steps.draft_one, steps.drafts) == pytest.approx((0.006, 0.001, 6))
     assert [steps.drafting(k) for k in range(8)] == pytest.approx(
-        [0.0, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.006]
+        [0.0, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007]
     )
     block = timer(lambda n: work(0.004))()
     assert [block.drafting(k) for k in range(1, 7)] == pytest.approx([0.004] * 6)

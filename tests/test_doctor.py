@@ -150,6 +150,26 @@ def test_the_cost_scheduler_is_estimated_at_the_most_drafts_about_as_fast_as_the
     assert rows[2]["speedup"] < rows[1]["speedup"]
 
 
+def test_a_drafter_that_drafts_one_at_a_time_is_estimated_at_the_drafts_it_draws():
+    """The Gemma-4 assistant drafts a step a draft: on a flat verify curve
+    at falling acceptance, one draft (a step, 5 ms) beats its block of six
+    (30 ms), and each row is estimated at its own drafts' cost, also
+    past the block (the assistant may draft up to 32)."""
+    survival = np.cumprod([0.7, 0.55, 0.45, 0.35, 0.3, 0.25, 0.2, 0.2]).tolist()
+    verify = [0.0128] + [0.016] * 8
+    costs = {"draft": 0.030, "draft_one": 0.005, "drafts": 6, "verify": verify}
+    drafter = {"block_size": 6, "max_draft_tokens": 32, "confidence": False}
+    rows = estimate(survival, costs, drafter)
+    assert [(r["scheduler"], r["drafts"]) for r in rows] == [("fixed", 6), ("fixed", 1)]
+    for row in rows:
+        k = row["drafts"]
+        seconds = 0.005 * k + verify[k]
+        assert row["speedup"] == pytest.approx((1 + sum(survival[:k])) * verify[0] / seconds, abs=1e-3)
+    assert doctor.speedup(survival, 8, costs)["speedup"] == pytest.approx(
+        (1 + sum(survival)) * verify[0] / (0.040 + verify[8]), abs=1e-3
+    )
+
+
 def test_doctor_reports_a_pair_that_does_not_fit(capsys):
     assert main(["--model", str(QWEN3_TARGET), "--draft-model", str(DSPARK)]) == 1
     out = capsys.readouterr().out

@@ -369,14 +369,14 @@ def test_a_round_whose_confidences_verify_fewer_drafts_is_timed_against_those(mo
         for _ in range(10):  # an acceptance at which 4 drafts pay
             pacing.acceptance.update(4, 4)
         assert pacing.drafts(4, 512) == 4
-        pacing.verifies(1, 512)
+        pacing.verifies(1, 512, 4)
         clock.now += 0.002 + dear[1] + 0.005
         pacing.update(1, 1)
     assert pacing.policy.overheads[1, True] == pytest.approx(0.005)
 
     model, drafter = trained("gemma4", "dspark")
     told = []
-    monkeypatch.setattr(Pacing, "verifies", lambda self, drafts, depth: told.append(drafts))
+    monkeypatch.setattr(Pacing, "verifies", lambda self, drafts, depth, drawn: told.append(drafts))
     costs = [0.010, 0.011, 0.012, 0.030, 0.031] + [0.032] * 11
     scheduler = TableCostScheduler([1.0] * 4, 0.002, costs)
     prompt = [65, 211, 266, 241, 234, 10, 325, 168]
@@ -633,7 +633,7 @@ class ParksThenDrafts:
         self.left -= 1
         return 0 if self.left >= 0 else cap
 
-    def verifies(self, drafts, depth):
+    def verifies(self, drafts, depth, drawn):
         pass
 
     def rows(self, tokens, depth):

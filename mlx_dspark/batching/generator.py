@@ -963,7 +963,7 @@ class SpeculativeBatchGenerator:
         survivals = [survival(confidence[b][: drafts_per_row[b]], temperatures) for b in live]
         depth = max(len(s.tokens) for s in rows.sequences)
         caps = [drafts_per_row[b] for b in live]
-        k = self.policy.truncate(survivals, caps, depth, batch=len(rows))
+        k = self.policy.truncate(survivals, caps, depth, batch=len(rows), drawn=max(drafts_per_row))
         confidence = [row[:n] for row, n in zip(confidence, drafts_per_row)]
         return [min(k, n) for n in drafts_per_row], confidence
 

@@ -497,7 +497,9 @@ class BatchPolicy:
             1000 * self.switch_cost,
         )
 
-    def truncate(self, survival, caps, depth: int, batch: Optional[int] = None) -> int:
+    def truncate(
+        self, survival, caps, depth: int, batch: Optional[int] = None, drawn: Optional[int] = None
+    ) -> int:
         """The drafts to verify of a round ``choose`` decided to draft, from
         their predicted survival (``confident_drafts``); the round is then
         observed against the costs of what it verifies."""
@@ -506,18 +508,21 @@ class BatchPolicy:
         # Its drafts are drawn: verifying none of them is still a drafting
         # round, which pays the drafting rounds' overhead (in ``draft``), not
         # a plain round's as well.
-        realised = dataclasses.replace(self.realised(measured, batch), verify=measured.verify)
+        drawn = drawn or max(caps, default=0)
+        realised = self.realised(measured, batch)
+        realised = RoundCosts(realised.drafting(drawn), measured.verify)
         k = confident_drafts(survival, caps, realised)
-        self.verifies(k, measured, batch)
+        self.verifies(k, measured, batch, drawn)
         return k
 
-    def verifies(self, drafts: int, measured: RoundCosts, batch: int = 1) -> None:
-        """The round drafted and verifies ``drafts`` drafts (not what was
-        chosen): it is observed against ``measured`` costs of that. (It drew
-        at least one, and as many as it verifies: where it drew more, its
-        drafter drafts in blocks, whose cost is the same for any number.)"""
+    def verifies(
+        self, drafts: int, measured: RoundCosts, batch: int = 1, drawn: Optional[int] = None
+    ) -> None:
+        """The round drew ``drawn`` drafts (by default as many as it
+        verifies) and verifies ``drafts`` of them (not what was chosen): it
+        is observed against ``measured`` costs of that."""
         if self._chosen and self._chosen[-1] is not None:
-            seconds = measured.verify[drafts] + measured.drafting(max(drafts, 1))
+            seconds = measured.verify[drafts] + measured.drafting(max(drawn or drafts, 1))
             self._chosen[-1] = (batch, drafts, True, seconds)
         self._shape = (batch, drafts)
 

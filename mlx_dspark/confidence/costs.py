@@ -99,16 +99,18 @@ class RoundCosts:
     drafts: int = 1
 
     def drafting(self, drafts: int) -> float:
-        """Seconds for a proposal of ``drafts`` drafts: linear between one
-        and ``self.drafts``. A drafter that drafts one at a time (the
-        Gemma-4 assistant, a step of its own a draft) costs less for fewer;
-        a block drafter (DSpark, DFlash) costs the same for any number."""
+        """Seconds for a proposal of ``drafts`` drafts: on the line through
+        one's and ``self.drafts``' (never below the cheaper of the two). A
+        drafter that drafts one at a time (the Gemma-4 assistant, a step of
+        its own a draft) costs less for fewer; a block drafter (DSpark,
+        DFlash) costs the same for any number."""
         if drafts <= 0:
             return 0.0
         if self.draft_one is None or self.drafts <= 1:
             return self.draft
-        share = (min(drafts, self.drafts) - 1) / (self.drafts - 1)
-        return self.draft_one + (self.draft - self.draft_one) * share
+        share = (drafts - 1) / (self.drafts - 1)
+        seconds = self.draft_one + (self.draft - self.draft_one) * share
+        return max(seconds, min(self.draft, self.draft_one))
 
     def rounds_per_second(self, tokens: int) -> float:
         """Rounds per second when a round verifies ``tokens`` tokens."""
@@ -352,9 +354,9 @@ class CostProfile:
         if self.path is None:
             return
         for key, entry in self._read().items():
-            mine = self.entries.get(key)
-            if not isinstance(mine, dict) or _measured_at(entry) > _measured_at(mine):
+            if self._rank(entry) > self._rank(self.entries.get(key)):
                 self.entries[key] = entry
+                self._partial.pop(key, None)  # another process's is further on
         written = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -365,11 +367,26 @@ class CostProfile:
                 written = f.name
                 json.dump(self.entries, f, indent=1)
             os.replace(written, self.path)
-        except OSError:
-            # An unwritable cache only costs a re-measurement next time.
+        except BaseException as e:
             if written is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(written)
+            if not isinstance(e, OSError):
+                raise
+            # An unwritable cache only costs a re-measurement next time.
+
+    def _rank(self, entry) -> tuple:
+        """How an entry of the file ranks against another for its bucket (the
+        higher is kept): a fresh whole measurement above one under way, that
+        above a stale or malformed one; among equals, the later."""
+        if not isinstance(entry, dict):
+            return (0, -math.inf)
+        when = entry.get("measured_at")
+        when = when if isinstance(when, (int, float)) else -math.inf
+        if "passes" in entry:
+            return (1, when)
+        fresh = 0 <= time.time() - when <= self.max_age and isinstance(entry.get("verify"), list)
+        return (2 if fresh else 0, when)
 
     def _usable(self, entry, tokens: int) -> bool:
         """A well-formed entry, fresh, with a verify cost for ``tokens``."""
@@ -379,6 +396,8 @@ class CostProfile:
         measured_at, drafts = entry.get("measured_at"), entry.get("drafts")
         one = entry.get("draft_one")
         if not isinstance(verify, list) or not isinstance(measured_at, (int, float)):
+            return False
+        if "passes" in entry:  # a measurement under way (``_Partial.entry``)
             return False
         return (
             len(verify) == tokens
@@ -417,7 +436,11 @@ class CostProfile:
                 under_way = self._under_way(key) or _Partial()
                 measured = under_way.go_on(timer, most)
                 if under_way.passes < REPEATS:
+                    # On disk too: a process that ends first (a short
+                    # generation of mlx_lm.generate) leaves it to the next.
                     self._partial[key] = under_way
+                    self.entries[key] = under_way.entry(depth)
+                    self._write()
                     return measured
             self._partial.pop(key, None)
             entry = dict(
@@ -460,10 +483,15 @@ class CostProfile:
         return key
 
     def _under_way(self, key: str) -> Optional["_Partial"]:
-        """The measurement under way for ``key``, unless it started longer
-        ago than a measurement stays fresh (then it is dropped: a server's
-        batch size that left would keep standing in with it)."""
+        """The measurement under way for ``key`` (this process's, or one
+        another left on disk), unless it started longer ago than a
+        measurement stays fresh (then it is dropped: a server's batch size
+        that left would keep standing in with it)."""
         under_way = self._partial.get(key)
+        if under_way is None:
+            under_way = _Partial.from_entry(self.entries.get(key))
+            if under_way is not None:
+                self._partial[key] = under_way
         if under_way is not None and not 0 <= time.time() - under_way.started <= self.max_age:
             del self._partial[key]
             return None
@@ -487,7 +515,8 @@ class CostProfile:
         """``{batch: RoundCosts}`` of the measurements at ``depth`` under way
         (see ``costs``' ``most``)."""
         found = {}
-        for key in list(self._partial):
+        left = [k for k, entry in self.entries.items() if isinstance(entry, dict) and "passes" in entry]
+        for key in set(self._partial).union(left):
             batch, _, bucket = key.partition("x")
             under_way = self._under_way(key)
             if bucket == str(depth_bucket(depth)) and under_way is not None:
@@ -532,10 +561,39 @@ class _Partial:
             self.passes, self.next_length = self.passes + 1, 1
         return self.fastest
 
+    def entry(self, depth: int) -> dict:
+        """What a profile's file keeps of it."""
+        return dict(
+            draft=self.fastest.draft,
+            draft_one=self.fastest.draft_one,
+            drafts=self.fastest.drafts,
+            verify=self.fastest.verify,
+            depth=depth,
+            passes=self.passes,
+            next_length=self.next_length,
+            started=self.started,
+            measured_at=time.time(),
+        )
 
-def _measured_at(entry) -> float:
-    when = entry.get("measured_at") if isinstance(entry, dict) else None
-    return when if isinstance(when, (int, float)) else -math.inf
+    @classmethod
+    def from_entry(cls, entry) -> Optional["_Partial"]:
+        """The measurement a well-formed ``entry`` keeps, else ``None``."""
+        if not isinstance(entry, dict) or "passes" not in entry:
+            return None
+        verify, one, drafts = entry.get("verify"), entry.get("draft_one"), entry.get("drafts")
+        passes, next_length = entry.get("passes"), entry.get("next_length")
+        seconds = [entry.get("draft"), entry.get("started"), *([] if one is None else [one])]
+        if not (
+            isinstance(verify, list) and verify
+            and all(isinstance(c, (int, float)) and 0 < c < math.inf for c in verify + seconds)
+            and all(isinstance(n, int) for n in (drafts, passes, next_length))
+            and drafts >= 1 and 0 <= passes < REPEATS and 1 <= next_length <= len(verify) + 1
+        ):
+            return None
+        costs = RoundCosts(entry["draft"], verify, one, drafts)
+        return cls(costs, passes, next_length, entry["started"])
+
+
 
 
 def _costs(entry: dict) -> RoundCosts:

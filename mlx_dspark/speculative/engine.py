@@ -350,7 +350,7 @@ def speculative_generate_step(
                     num_verify = scheduler.choose(logits, start, timer)
                     _check_choice(scheduler, num_verify, num_drafts)
                     if num_verify != num_drafts:
-                        pacing.verifies(num_verify, start)
+                        pacing.verifies(num_verify, start, num_drafts)
                 else:
                     # Let the device draft while the host builds the verify.
                     mx.async_eval(proposal.tokens)

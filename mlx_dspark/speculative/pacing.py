@@ -104,13 +104,14 @@ class Pacing:
         self._began.append(self.clock())
         return drafts
 
-    def verifies(self, drafts: int, depth: int) -> None:
-        """The round verifies ``drafts`` of its drafts (its drafter's
-        confidences chose fewer): its time is weighed against theirs."""
+    def verifies(self, drafts: int, depth: int, drawn: int) -> None:
+        """The round verifies ``drafts`` of the ``drawn`` it drafted (its
+        drafter's confidences chose fewer): its time is weighed against
+        theirs."""
         known = self.scheduler.profile(self.timer).known(depth, self.timer)
         if known is not None:
             self.policy.restart(self._chosen)
-            self.policy.verifies(drafts, known.padded())
+            self.policy.verifies(drafts, known.padded(), drawn=drawn)
 
     def rows(self, tokens: int, depth: int) -> int:
         known = self.scheduler.profile(self.timer).known(depth, self.timer)
@@ -156,7 +157,7 @@ class FixedPacing:
     def drafts(self, cap: int, depth: int) -> int:
         return cap
 
-    def verifies(self, drafts: int, depth: int) -> None:
+    def verifies(self, drafts: int, depth: int, drawn: int) -> None:
         pass
 
     def rows(self, tokens: int, depth: int) -> int:
