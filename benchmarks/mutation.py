@@ -1289,6 +1289,13 @@ MUTANTS = [
         '    seconds = costs["draft"] + costs["verify"][drafts]\n',
         ("tests/test_doctor.py", "-k", "one_at_a_time"),
     ),
+    Mutant(
+        "a server's batch after a drain paces with a fresh policy",
+        "mlx_dspark/integration/server.py",
+        '    if policy is None or getattr(policy, "costs", None) is not None:\n',
+        "    if True:\n",
+        ("tests/test_batching.py", "-k", "across_drains"),
+    ),
 ]
 
 

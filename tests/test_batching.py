@@ -1397,6 +1397,31 @@ def test_a_server_batch_times_the_drafts_its_rounds_draw(monkeypatch):
         assert timer.verify_rows == drafts + 1
 
 
+def test_a_server_keeps_its_batch_policy_across_drains(monkeypatch):
+    """mlx-lm's server makes a new batch generator after each drain (a
+    request with a seed waits for the batch to end, and a new batch starts
+    after it): the new generator goes on with the policy the drafter's
+    batches were paced by, what it learnt of the rounds' real costs
+    included, reading its own costs. A policy a generator still holds (one
+    not closed) is not shared."""
+    from mlx_dspark.integration import server
+
+    _, model = assistant_case("dense")
+    drafter = assistant_for("dense")
+    monkeypatch.setattr(server.local, "batch_pair", None, raising=False)
+    server.make_batchable(
+        SimpleNamespace(model=model, draft_model=drafter, cli_args=SimpleNamespace(num_draft_tokens=None))
+    )
+    first = server.batch_generator(server.local.batch_pair, model)
+    first.policy.overheads[1, True] = 0.004
+    first.close()
+    second = server.batch_generator(server.local.batch_pair, model)
+    assert second.policy is first.policy and second.policy.overheads == {(1, True): 0.004}
+    assert second.policy.costs == second.measured_costs
+    third = server.batch_generator(server.local.batch_pair, model)
+    assert third.policy is not second.policy and third.policy.costs == third.measured_costs
+
+
 def test_among_draft_counts_about_as_fast_a_round_drafts_the_most():
     """On the H200's bf16 verify curve (issue #14, context 2048) 4 to 7
     drafts are within 3% of each other, so the measurements' noise would

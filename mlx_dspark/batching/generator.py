@@ -302,7 +302,13 @@ class SpeculativeBatchGenerator:
         return self._stream
 
     def close(self):
-        pass
+        """Lets go of the policy, which may pace the next generator (the
+        server's, after a drain): its rounds chosen and not read are this
+        one's, and so are the costs it reads."""
+        if getattr(self.policy, "costs", None) == self.measured_costs:
+            self.policy.costs = None
+        if hasattr(self.policy, "restart"):
+            self.policy.restart()
 
     @contextlib.contextmanager
     def stats(self):

@@ -5,6 +5,7 @@ log. Requests without a draft model never get here (see ``hooks``)."""
 
 import copy
 import logging
+import weakref
 
 from ..cache import rollback_limit
 from ..validation import problem
@@ -133,11 +134,26 @@ def make_batchable(provider) -> None:
 
 
 def batch_generator(pair, model, **kwargs):
-    """The speculative batch generator the server drives for ``pair``."""
+    """The speculative batch generator the server drives for ``pair``, with
+    the batch policy the drafter's batches were paced by before: the server
+    makes a new generator after each drain (a request with a seed, or for
+    another model, waits for the batch to end), and what the policy learnt
+    of the rounds' real costs would go with the old one. (A policy still
+    held by a generator not closed is not shared: a fresh one paces.)"""
     from ..batching.policy import POLICIES
     from .batch import ServerBatchGenerator
 
-    _, drafter, policy, drafts = pair
+    _, drafter, name, drafts = pair
+    try:
+        kept = _policies.setdefault(drafter, {})
+    except TypeError:  # a drafter that cannot be weakly referenced
+        kept = {}
+    policy = kept.get((name, drafts))
+    if policy is None or getattr(policy, "costs", None) is not None:
+        policy = kept[name, drafts] = POLICIES[name]()
     return ServerBatchGenerator(
-        model, drafter, policy=POLICIES[policy](), num_draft_tokens=drafts, **kwargs
+        model, drafter, policy=policy, num_draft_tokens=drafts, **kwargs
     )
+
+
+_policies = weakref.WeakKeyDictionary()
