@@ -15,7 +15,9 @@ lose as a batch of one. (With replayed acceptance the single stream's
 rounds draw from the shared random stream, the batch's per prompt: both see
 the same acceptance rate, not the same rounds.)
 
-Default: the bundled tiny Gemma-4 pair (real acceptance). ``--shapes 12b``
+Default: the bundled tiny Gemma-4 pair (real acceptance); ``--drafter
+assistant`` for the Gemma-4 assistant (the bundled dense tiny pair, or one at
+the shapes below), which drafts a step a draft. ``--shapes 12b``
 (or ``--scale N``): random weights at Gemma-4-12B shapes with **replayed
 acceptance** at ``--tau`` (see ``speculative.replayed_acceptance``); with
 random weights the policy's acceptance estimate follows the replayed rounds.
@@ -43,6 +45,8 @@ from mlx_dspark.speculative.stats import SpeculativeStats
 
 import shapes
 from speculative import TINY, replayed_acceptance
+
+TINY_ASSISTANT = TINY.parent / "assistant-tiny" / "dense"
 from timing import backend
 
 
@@ -84,6 +88,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", choices=["12b"])
     parser.add_argument("--scale", type=int)
+    parser.add_argument("--drafter", choices=["dspark", "assistant"], default="dspark")
     parser.add_argument("--tau", type=float, default=3.3)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--context", type=int, default=512)
@@ -135,8 +140,13 @@ def measure(args, parser):
     if replay:
         scale = args.scale or 1
         model = shapes.make_target(scale)
-        drafter = shapes.make_drafter(scale)
+        make = shapes.make_assistant if args.drafter == "assistant" else shapes.make_drafter
+        drafter = make(scale)
         vocab = shapes.target_config(scale)["vocab_size"]
+    elif args.drafter == "assistant":
+        model, _ = load(str(TINY_ASSISTANT / "target"))
+        drafter = mlx_dspark.load_drafter(TINY_ASSISTANT / "assistant")
+        vocab = model.args.vocab_size
     else:
         model, _ = load(str(TINY / "target_tiny_gemma4"))
         drafter = mlx_dspark.load_drafter(TINY / "dspark_tiny_gemma4_block4")
@@ -164,8 +174,8 @@ def measure(args, parser):
             **stream,
         )
     if args.calibration:
-        if replay:
-            parser.error("--calibration needs real acceptance (the bundled pair)")
+        if replay or args.drafter != "dspark":
+            parser.error("--calibration needs real acceptance and confidences (the bundled DSpark pair)")
         calibrated = mlx_dspark.load_drafter(
             TINY / "dspark_tiny_gemma4_block4", calibration=args.calibration
         )
