@@ -594,6 +594,21 @@ def test_generate_samples_with_rejection_reproducibly():
     assert "dspark (rejection):" in first.stdout
 
 
+def test_generate_paces_sampling_without_a_seed_and_keeps_a_seeds_text():
+    """Without ``--seed`` mlx-lm's sampling differs from run to run anyway
+    (MLX seeds from the clock): a sampled generation is paced by the default
+    ``cost`` scheduler, which decodes plainly where drafting does not pay.
+    With ``--seed`` it drafts every round (``fixed``), so that one seed gives
+    one text; a scheduler or threshold asked for is kept either way."""
+    sampled = ("--draft-model", DSPARK, "--temp", 0.8, "--top-p", 0.95)
+    assert "dspark (rejection):" in (unseeded := generate(*sampled)).stdout
+    assert "cost scheduler" in unseeded.stdout
+    assert "fixed scheduler" in generate(*sampled, "--seed", 4).stdout
+    assert "fixed scheduler" in generate(*sampled, "--draft-scheduler", "fixed").stdout
+    threshold = generate(*sampled, "--draft-confidence-threshold", 0.5)
+    assert "threshold scheduler" in threshold.stdout
+
+
 def test_server_samples_with_rejection(servers):
     speculative, _ = servers
     body = {

@@ -117,6 +117,21 @@ def test_concurrent_clients_get_the_stock_servers_log_probabilities(three_server
         assert values(have) == pytest.approx(values(want), abs=1e-4)
 
 
+def test_a_request_served_alone_is_paced_when_sampling_without_a_seed(three_servers):
+    """One request at a time (``--draft-batch-policy off``, or a request
+    the server cannot batch): a sampled request without a seed samples a
+    new text each time anyway, and is paced by ``cost`` as a greedy one is;
+    with a seed it drafts every round (``fixed``), and the seed gives one
+    text."""
+    _, single, _ = three_servers
+    body = {"prompt": "w5 w9 w12", "max_tokens": 24, "temperature": 0.9}
+    unseeded = single.post("/v1/completions", body)["usage"]["speculative"]
+    assert (unseeded["acceptance_rule"], unseeded["scheduler"]) == ("rejection", "cost")
+    seeded = [single.post("/v1/completions", {**body, "seed": 7}) for _ in range(2)]
+    assert seeded[0]["usage"]["speculative"]["scheduler"] == "fixed"
+    assert text_of(seeded[0]) == text_of(seeded[1])
+
+
 def test_the_batched_server_logs_each_requests_statistics(three_servers):
     batched, _, _ = three_servers
     with ThreadPoolExecutor(4) as pool:

@@ -115,6 +115,7 @@ def _probe(argv: List[str]) -> argparse.Namespace:
     probe.add_argument("--model")
     probe.add_argument("--draft-model")
     probe.add_argument("--num-draft-tokens", type=int)
+    probe.add_argument("--seed", type=int)
     return probe.parse_known_args(argv)[0]
 
 
@@ -149,6 +150,15 @@ def prepare(argv: List[str], with_processors: bool = False) -> Tuple[List[str], 
             )
         return rest, None
     drafter = load_drafter(args.draft_model, lazy=True, **options)
+    if with_processors and args.seed is None and not (
+        ours.draft_scheduler or ours.draft_confidence_threshold
+    ):
+        # Without --seed, mlx-lm's sampling differs from run to run anyway
+        # (MLX seeds its generator from the clock): a sampled generation is
+        # paced as a greedy one is, by the default ``cost`` scheduler, which
+        # otherwise leaves sampling to ``fixed`` so that one seed gives one
+        # text (``CostScheduler.paces_sampling``).
+        generation_options["scheduler"] = "cost"
     if args.num_draft_tokens is None:
         rest += ["--num-draft-tokens", str(drafter.block_size)]
     else:

@@ -20,7 +20,7 @@ from ..speculative import engine
 from ..speculative.stats import SpeculativeStats
 from ..validation import is_drafter
 
-from .hooks import local
+from .hooks import generation_options, local
 
 # Per process: the drafter options the command-line flags set, and drafters
 # the CLI checked before mlx-lm loads them (the server loads in its
@@ -189,6 +189,10 @@ def speculative_generate_step(
     slot = getattr(local, "slot", None)
     if slot is not None:
         slot.stats = stats
+    # The command line's (``cli.prepare``), or the server request's (``server.serve_single``).
+    scheduler = getattr(local, "scheduler", None) or generation_options.get("scheduler")
+    if scheduler is not None:
+        kwargs.setdefault("scheduler", scheduler)
     return engine.speculative_generate_step(
         prompt, model, draft_model, *args, stats=stats, **kwargs
     )

@@ -9,7 +9,7 @@ import weakref
 
 from ..cache import rollback_limit
 from ..validation import problem
-from .dispatch import StatsSlot, is_drafter, local, rollback_caches
+from .dispatch import StatsSlot, drafter_options, is_drafter, local, rollback_caches
 from .hooks import server_options
 
 # Rollback depth of the caches the server makes, so that a cached context
@@ -109,11 +109,16 @@ def serve_single(original, generator, request, stream):
     slot = getattr(queue, "slot", None) or StatsSlot()
     local.slot = slot
     local.max_rollback = max(SERVER_ROLLBACK, (args.num_draft_tokens or 0) + 1)
+    # A request without a seed samples a new text each time anyway: paced
+    # as greedy ones are (see ``cli.prepare``).
+    chosen = drafter_options.get("scheduler") or drafter_options.get("confidence_threshold")
+    local.scheduler = None if chosen or getattr(args, "seed", None) is not None else "cost"
     try:
         original(generator, request, stream)
     finally:
         local.slot = None
         local.max_rollback = None
+        local.scheduler = None
     if slot.stats is not None and slot.stats.rounds:
         logging.info("Speculative decoding: %s", slot.stats.summary())
 
