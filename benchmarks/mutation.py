@@ -1296,6 +1296,20 @@ MUTANTS = [
         "    if True:\n",
         ("tests/test_batching.py", "-k", "across_drains"),
     ),
+    Mutant(
+        "mlx_lm.generate sampling without a seed drafts every round",
+        "mlx_dspark/integration/cli.py",
+        '        generation_options["scheduler"] = "cost"\n',
+        "        pass\n",
+        ("tests/test_integration.py", "-k", "paces_sampling"),
+    ),
+    Mutant(
+        "a server request sampling without a seed, served alone, drafts every round",
+        "mlx_dspark/integration/server.py",
+        '    local.scheduler = None if chosen or getattr(args, "seed", None) is not None else "cost"\n',
+        "    local.scheduler = None\n",
+        ("tests/test_server_batch.py", "-k", "alone_is_paced"),
+    ),
 ]
 
 

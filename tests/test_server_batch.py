@@ -132,6 +132,31 @@ def test_a_request_served_alone_is_paced_when_sampling_without_a_seed(three_serv
     assert text_of(seeded[0]) == text_of(seeded[1])
 
 
+@pytest.mark.parametrize(
+    "options, seed, paced",
+    [({}, None, "cost"), ({}, 0, None), ({"scheduler": "fixed"}, None, None),
+     ({"confidence_threshold": 0.5}, None, None)],
+)
+def test_only_a_request_without_a_seed_or_a_chosen_scheduler_is_paced_alone(
+    monkeypatch, options, seed, paced
+):
+    """What ``serve_single`` asks the engine for: ``cost`` for a request
+    without a seed where the server was given no scheduler or threshold
+    (``--draft-scheduler``, ``--draft-confidence-threshold``), nothing
+    otherwise (the drafter's own, with its threshold, or ``fixed`` for a
+    seeded sampled request); and nothing once the request is served."""
+    from types import SimpleNamespace
+
+    from mlx_dspark.integration import dispatch, server
+
+    monkeypatch.setattr(dispatch, "drafter_options", options)
+    monkeypatch.setattr(server, "drafter_options", options)
+    seen = []
+    request = (None, None, SimpleNamespace(num_draft_tokens=4, seed=seed))
+    server.serve_single(lambda *_: seen.append(dispatch.local.scheduler), None, request, None)
+    assert seen == [paced] and dispatch.local.scheduler is None
+
+
 def test_the_batched_server_logs_each_requests_statistics(three_servers):
     batched, _, _ = three_servers
     with ThreadPoolExecutor(4) as pool:

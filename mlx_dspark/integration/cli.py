@@ -211,6 +211,8 @@ def main(
         return original()
     except ValueError as e:
         _fail(prog, e)
+    finally:
+        generation_options.clear()  # the command's alone, not a later call's in this process
 
 
 def generate(original: Callable, model, tokenizer, prompt, verbose=False, **kwargs):
