@@ -868,12 +868,9 @@ MUTANTS = [
     Mutant(
         "a single stream's pacing learns anew every generation",
         SPEC + "pacing.py",
-        "        self.policy = scheduler.paced_policies.setdefault(\n"
-        "            (drafts, getattr(timer, \"key\", None), threading.get_ident()),\n"
-        "            BatchPolicy(probe_first=True),\n"
-        "        )\n",
+        "        self.policy = _policy(scheduler.paced_policies, (drafts, getattr(timer, \"key\", None)))\n",
         "        self.policy = BatchPolicy(probe_first=True)\n",
-        ("tests/test_pacing.py", "-k", "slower_than_measured"),
+        ("tests/test_pacing.py", "-k", "slower_than_measured or probes_once_not_every"),
     ),
     Mutant(
         "plain rounds' overhead left out of a plain round's cost",
@@ -1166,16 +1163,9 @@ MUTANTS = [
     Mutant(
         "a fresh stream parked on its prior waits REPROBE_EVERY rounds for its first probe",
         "mlx_dspark/speculative/pacing.py",
-        "            BatchPolicy(probe_first=True),\n",
-        "            BatchPolicy(),\n",
+        "        policy = latest[-1].newcomer() if latest else BatchPolicy(probe_first=True)\n",
+        "        policy = latest[-1].newcomer() if latest else BatchPolicy()\n",
         ("tests/test_pacing.py", "-k", "probes_its_acceptance_at_once"),
-    ),
-    Mutant(
-        "each generation of a drafter paces with a fresh policy (probing at its start)",
-        "mlx_dspark/speculative/pacing.py",
-        "        self.policy = scheduler.paced_policies.setdefault(\n",
-        "        self.policy = BatchPolicy(probe_first=True) or scheduler.paced_policies.setdefault(\n",
-        ("tests/test_pacing.py", "-k", "probes_once_not_every"),
     ),
     Mutant(
         "a batch row's refused drafts are not kept for later requests",
@@ -1309,6 +1299,20 @@ MUTANTS = [
         '    local.scheduler = None if chosen or getattr(args, "seed", None) is not None else "cost"\n',
         "    local.scheduler = None\n",
         ("tests/test_server_batch.py", "-k", "alone_is_paced"),
+    ),
+    Mutant(
+        "a stream on a new thread paces with a fresh policy",
+        SPEC + "pacing.py",
+        "        policy = latest[-1].newcomer() if latest else BatchPolicy(probe_first=True)\n",
+        "        policy = BatchPolicy(probe_first=True)\n",
+        ("tests/test_pacing.py", "-k", "new_thread"),
+    ),
+    Mutant(
+        "a scheduler keeps a policy for every thread that ever paced",
+        SPEC + "pacing.py",
+        "    while len(policies) > THREADS_KEPT:\n",
+        "    while False:\n",
+        ("tests/test_pacing.py", "-k", "new_thread"),
     ),
 ]
 

@@ -7,6 +7,7 @@ import itertools
 import math
 import random
 import statistics
+import threading
 import weakref
 from types import SimpleNamespace
 
@@ -21,7 +22,7 @@ from mlx_dspark.batching.policy import REPROBE_AT_MOST, REPROBE_EVERY
 from mlx_dspark.confidence.costs import REPEATS, RoundCosts, RoundTimer, verify_rows
 from mlx_dspark.confidence.schedulers import CostScheduler, FixedScheduler, scheduler_for
 from mlx_dspark.speculative import engine
-from mlx_dspark.speculative.pacing import Pacing
+from mlx_dspark.speculative.pacing import THREADS_KEPT, Pacing
 
 from chisquare import goodness_of_fit
 from test_assistant import case, drafter_for
@@ -355,6 +356,36 @@ def test_generations_advanced_in_turn_observe_their_own_rounds():
     second.update(0, 0)
     first.update(6, 3)
     assert observed[0] == 0 and observed[1] > 0
+
+
+def test_a_stream_on_a_new_thread_starts_from_what_the_last_one_learnt():
+    """A stream on a thread new to the drafter (a server's handler, a
+    pool's worker) gets a policy of its own, starting from the overheads the
+    streams of the thread that paced last learnt, not from nothing; the
+    scheduler keeps the policies of the threads that paced last only,
+    however many threads come and go."""
+    scheduler = TableCostScheduler([1.0] * 4, 0.002, [0.010] * 16)
+    first = Pacing(scheduler, None, 4)
+    first.policy.overheads[1, True] = 0.003
+    started, release, made = threading.Barrier(THREADS_KEPT + 5), threading.Event(), []
+
+    def stream():
+        made.append(Pacing(scheduler, None, 4).policy)
+        started.wait()
+        release.wait()
+
+    threads = [threading.Thread(target=stream) for _ in range(THREADS_KEPT + 4)]
+    for thread in threads:
+        thread.start()
+    try:
+        started.wait(timeout=60)
+        assert len(scheduler.paced_policies) == THREADS_KEPT
+        assert all(p is not first.policy and p.overheads == {(1, True): 0.003} for p in made)
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join()
+    assert Pacing(scheduler, None, 4).policy is not first.policy  # this thread's was dropped
 
 
 def test_a_round_whose_confidences_verify_fewer_drafts_is_timed_against_those(monkeypatch):

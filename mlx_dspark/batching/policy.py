@@ -386,6 +386,21 @@ class BatchPolicy:
         self._reprobe = REPROBE_EVERY  # the parked rounds from one probe to the next
         self._observed = False  # whether rounds' times are observed at all
 
+    def newcomer(self) -> "BatchPolicy":
+        """A policy for another stream of the same drafter and target (a
+        single stream on another thread), starting from what this one
+        learnt of the rounds' real costs, not from nothing."""
+        policy = BatchPolicy(probe_first=self.probe_first)
+        policy.deepest = self.deepest
+        policy.overheads = dict(self.overheads)
+        policy._seen = Counter(self._seen)
+        for kind, recent in self._recent.items():
+            policy._recent[kind].extend(recent)
+        policy.switch_cost = self.switch_cost
+        policy._switches.extend(self._switches)
+        policy._observed = self._observed
+        return policy
+
     def choose(
         self, rates, caps, depth: int, batch: Optional[int] = None, most: Optional[int] = None
     ) -> int:

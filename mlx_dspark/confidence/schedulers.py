@@ -148,8 +148,9 @@ class CostScheduler:
         self._keys = {}  # (timer key, cache settings) -> key in ``profiles``
         # Drafts per round -> the drafter's recent acceptance by position
         # over the generations it paced (``speculative.pacing``); (drafts
-        # per round, thread) -> the policy that paced them, with the rounds'
-        # realised times it learnt on ``clock`` (``None``: rounds not timed).
+        # per round, timer key, thread) -> the policy that paced them, with
+        # the rounds' realised times it learnt on ``clock`` (``None``: rounds
+        # not timed), for the threads that paced last (``pacing._policy``).
         self.recent_acceptance = {}
         self.paced_policies = {}
         self.clock = clock

@@ -49,6 +49,9 @@ from ..confidence.costs import VERIFIES_MEASURED_PER_ROUND
 # 0.9 and a tenth at 0.97.
 DECAY = 0.97
 
+# Threads whose streams' policies a scheduler keeps (``_policy``).
+THREADS_KEPT = 16
+
 
 class Pacing:
     """One generation's pacing under the ``cost`` scheduler."""
@@ -61,10 +64,7 @@ class Pacing:
             drafts, Acceptance(drafts, decay=DECAY)
         )
         self.acceptance = self.recent.newcomer()
-        self.policy = scheduler.paced_policies.setdefault(
-            (drafts, getattr(timer, "key", None), threading.get_ident()),
-            BatchPolicy(probe_first=True),
-        )
+        self.policy = _policy(scheduler.paced_policies, (drafts, getattr(timer, "key", None)))
         self._chosen = self.policy.restart()
         self.clock = scheduler.clock
         # When each round chosen and not yet read was (``None``: not to be
@@ -149,6 +149,24 @@ class Pacing:
         rates = kept_rates(logits, getattr(self.scheduler, "temperatures", None))[first:]
         self.acceptance.expect(first, rates)
         self.recent.expect(first, rates)
+
+
+def _policy(policies: dict, key: tuple) -> BatchPolicy:
+    """The policy of this thread's streams with ``key`` (drafts a round,
+    the timer's key): one a thread, as two streams advanced in turn on two
+    threads would mix their rounds' shapes and counts. A thread new to it
+    (a server's handler, a pool's worker) starts from what the thread that
+    last paced one learnt; the ``THREADS_KEPT`` threads that paced last keep
+    theirs."""
+    own = (*key, threading.get_ident())
+    policy = policies.pop(own, None)
+    if policy is None:
+        latest = [p for k, p in list(policies.items()) if k[:2] == key]
+        policy = latest[-1].newcomer() if latest else BatchPolicy(probe_first=True)
+    policies[own] = policy  # the most recent last
+    while len(policies) > THREADS_KEPT:
+        del policies[next(iter(policies))]
+    return policy
 
 
 class FixedPacing:
