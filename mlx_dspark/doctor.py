@@ -378,7 +378,9 @@ def precisions(draft_path: str, drafter, draft_seconds, survival, costs) -> List
             (speedup(survival, k, at) for k in range(1, limit + 1)),
             key=lambda row: row["speedup"],
         )
-        rows.append({"precision": f"{bits}-bit", "draft": seconds, **best})
+        rows.append(
+            {"precision": f"{bits}-bit", "draft": seconds, "draft_one": one, **best}
+        )
     return rows
 
 
