@@ -1055,15 +1055,15 @@ MUTANTS = [
     Mutant(
         "a measured bucket's end takes the next bucket's costs",
         "mlx_dspark/confidence/costs.py",
-        "        if batch is None and not self._usable(self.entries.get(key), tokens):\n",
+        "        if batch is None and self._fresh(key, tokens) is None:\n",
         "        if batch is None:\n",
         ("tests/test_confidence.py", "-k", "buckets_end"),
     ),
     Mutant(
         "a batch's bucket end takes the next bucket's costs",
         "mlx_dspark/confidence/costs.py",
-        "        if batch is None and not self._usable(self.entries.get(key), tokens):\n",
-        "        if not self._usable(self.entries.get(key), tokens):\n",
+        "        if batch is None and self._fresh(key, tokens) is None:\n",
+        "        if self._fresh(key, tokens) is None:\n",
         ("tests/test_confidence.py", "-k", "buckets_end"),
     ),
     Mutant(
@@ -1313,6 +1313,27 @@ MUTANTS = [
         "    while len(policies) > THREADS_KEPT:\n",
         "    while False:\n",
         ("tests/test_pacing.py", "-k", "new_thread"),
+    ),
+    Mutant(
+        "an entry's costs are built once a key, not once an entry",
+        "mlx_dspark/confidence/costs.py",
+        "        if built is None or built[0] is not entry:\n",
+        "        if built is None:\n",
+        ("tests/test_confidence.py", "tests/test_pacing.py", "-k", "profile or measurement or cost"),
+    ),
+    Mutant(
+        "a cost entry never goes stale",
+        "mlx_dspark/confidence/costs.py",
+        '        if not 0 <= time.time() - entry["measured_at"] <= self.max_age:\n',
+        "        if False:\n",
+        ("tests/test_confidence.py", "-k", "stale"),
+    ),
+    Mutant(
+        "every drafts count is weighed at each sequence's whole cap",
+        "mlx_dspark/batching/policy.py",
+        "        tokens = sum(e[min(k, len(e) - 1)] for e in emitted)\n",
+        "        tokens = sum(e[-1] for e in emitted)\n",
+        ("tests/test_batching.py", "-k", "best_drafts or policy"),
     ),
 ]
 

@@ -24,6 +24,10 @@ them); each reports its median tokens per second and its ratio to ``stock``
 in the same pass.
 
     python benchmarks/parked.py --target-bits 4 --drafter assistant --context 2048
+
+``--model``/``--draft-model`` time a real pair instead of random 12B shapes
+(e.g. the tiny pair bundled in ``tests/fixtures``, where the host's work
+weighs most).
 """
 
 import argparse
@@ -32,6 +36,7 @@ import statistics
 import time
 
 import mlx.core as mx
+from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 import mlx_dspark
@@ -94,19 +99,29 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--variants", nargs="+", help="a subset of the variants (stock always runs)")
+    parser.add_argument("--model", help="a target's path, instead of random 12B shapes")
+    parser.add_argument("--draft-model", help="its drafter's path (with --model)")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if bool(args.model) != bool(args.draft_model):
+        parser.error("--model and --draft-model go together")
 
     mx.random.seed(0)
-    model = shapes.make_target(args.scale, bits=None if args.target_bits == 16 else args.target_bits)
-    drafter = (
-        shapes.make_assistant(args.scale)
-        if args.drafter == "assistant"
-        else shapes.make_drafter(args.scale)
-    )
+    if args.model:
+        model = load(args.model)[0]
+        drafter = mlx_dspark.load_drafter(args.draft_model)
+    else:
+        model = shapes.make_target(
+            args.scale, bits=None if args.target_bits == 16 else args.target_bits
+        )
+        drafter = (
+            shapes.make_assistant(args.scale)
+            if args.drafter == "assistant"
+            else shapes.make_drafter(args.scale)
+        )
     target = engine.adapt_target(model, drafter)
     rows = drafter.block_size + 1
-    prompt = mx.random.randint(5, model.args.vocab_size, (args.context,)).astype(mx.uint32)
+    prompt = mx.random.randint(5, target.vocab_size, (args.context,)).astype(mx.uint32)
 
     def greedy(logits):
         return mx.argmax(logits[:, -1], axis=-1).astype(mx.uint32)
@@ -192,13 +207,13 @@ def main():
     finally:
         engine.pacing_for = pacing_for
     report = {
-        "drafter": args.drafter,
-        "target_bits": args.target_bits,
+        "drafter": args.draft_model or args.drafter,
+        "target_bits": None if args.model else args.target_bits,
         "context": args.context,
         "max_tokens": args.max_tokens,
         "backend": backend(),
         "mlx": mx.__version__,
-        "shapes": f"gemma-4-12b/{args.scale}",
+        "shapes": args.model or f"gemma-4-12b/{args.scale}",
         "tok_s": {name: round(statistics.median(s), 2) for name, s in speeds.items()},
         "token_ms": {name: _spread(g) for name, g in gaps.items()},
         "last_pass_stalls": stalls,

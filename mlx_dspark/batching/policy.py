@@ -55,6 +55,8 @@ import logging
 import statistics
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import mul
 from typing import Callable, List, Optional, Sequence, Union
 
 from ..confidence.costs import RoundCosts
@@ -232,10 +234,17 @@ def best_drafts(
     ``keep`` (the round before's) pays them, and a ``k`` verified at
     ``keep`` stays wherever it is within ``NEAR_BEST`` of the best."""
     speeds, widths = [], []
-    for k in range(min(max(caps, default=0), len(costs.verify) - 1) + 1):
+    top = min(max(caps, default=0), len(costs.verify) - 1)
+    # Each sequence's expected tokens by drafts, in one pass (every round
+    # weighs this, a parked single stream's too).
+    emitted = [
+        list(accumulate(accumulate(r[: min(c, top)], mul), initial=1.0))
+        for r, c in zip(rates, caps)
+    ]
+    for k in range(top + 1):
         w = width(k) if k and width else k
         seconds = costs.verify[w] + costs.drafting(w) + (switch if w != keep else 0.0)
-        tokens = sum(expected_tokens(r, min(k, c)) for r, c in zip(rates, caps))
+        tokens = sum(e[min(k, len(e) - 1)] for e in emitted)
         speeds.append(tokens / seconds)
         widths.append(w)
     near = max(speeds, default=0.0) * (1 - NEAR_BEST)

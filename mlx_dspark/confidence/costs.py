@@ -87,7 +87,7 @@ VERIFIES_MEASURED_PER_ROUND = 2
 NEAR_BUCKET_END = 64
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoundCosts:
     """Seconds for a proposal of ``drafts`` drafts (``draft``) and of one
     (``draft_one``, where measured), and for verifying ``n`` tokens
@@ -133,6 +133,12 @@ class RoundCosts:
 
     def padded(self) -> "RoundCosts":
         """These costs when every verify runs at its ``cheapest_rows``."""
+        return self._padded
+
+    # Worked out once: a single stream's every round, parked ones too, pads
+    # the costs of its depth (a sixth of a parked round's pacing, otherwise).
+    @cached_property
+    def _padded(self) -> "RoundCosts":
         return dataclasses.replace(
             self,
             verify=[self.verify[self.cheapest_rows(n) - 1] for n in range(1, len(self.verify) + 1)],
@@ -336,6 +342,7 @@ class CostProfile:
         self.max_age = max_age
         self.entries = self._read()
         self._partial = {}  # entry key -> the _Partial measurement under way
+        self._built = {}  # entry key -> (its entry, its RoundCosts)
         self.timings = 0  # calls that timed parts on the live caches
 
     def _read(self) -> dict:
@@ -388,26 +395,22 @@ class CostProfile:
         fresh = 0 <= time.time() - when <= self.max_age and isinstance(entry.get("verify"), list)
         return (2 if fresh else 0, when)
 
-    def _usable(self, entry, tokens: int) -> bool:
-        """A well-formed entry, fresh, with a verify cost for ``tokens``."""
-        if not isinstance(entry, dict):
-            return False
-        draft, verify = entry.get("draft"), entry.get("verify")
-        measured_at, drafts = entry.get("measured_at"), entry.get("drafts")
-        one = entry.get("draft_one")
-        if not isinstance(verify, list) or not isinstance(measured_at, (int, float)):
-            return False
-        if "passes" in entry:  # a measurement under way (``_Partial.entry``)
-            return False
-        return (
-            len(verify) == tokens
-            and isinstance(drafts, int) and drafts >= 1
-            and all(
-                isinstance(c, (int, float)) and 0 < c < math.inf
-                for c in [draft, *([] if one is None else [one]), *verify]
-            )
-            and 0 <= time.time() - measured_at <= self.max_age
-        )
+    def _fresh(self, key: str, tokens: int) -> Optional[RoundCosts]:
+        """The costs of ``key``'s entry where it is well-formed, fresh and
+        has a verify cost for ``tokens``, else ``None``. (Each entry is
+        checked and built once: a parked round looks its costs up several
+        times, a third of its pacing when each look checked them all.)"""
+        entry = self.entries.get(key)
+        built = self._built.get(key)
+        if built is None or built[0] is not entry:
+            costs = _costs(entry) if _well_formed(entry) else None
+            built = self._built[key] = (entry, costs)
+        costs = built[1]
+        if costs is None or len(costs.verify) != tokens:
+            return None
+        if not 0 <= time.time() - entry["measured_at"] <= self.max_age:
+            return None
+        return costs
 
     def costs(
         self, depth: int, timer: RoundTimer, batch: Optional[int] = None,
@@ -426,8 +429,8 @@ class CostProfile:
         the first pass is over: a server measures across rounds instead of
         stopping every request for the whole measurement."""
         key = self._entry_for(depth, batch, timer.verify_rows)
-        entry = self.entries.get(key)
-        if not self._usable(entry, timer.verify_rows):
+        costs = self._fresh(key, timer.verify_rows)
+        if costs is None:
             self.timings += 1
             if most is None:
                 measured = timer()
@@ -453,14 +456,12 @@ class CostProfile:
             )
             self.entries[key] = entry
             self._write()
-        return _costs(entry)
+            costs = _costs(entry)
+        return costs
 
     def measured(self, depth: int, timer: RoundTimer) -> Optional[RoundCosts]:
         """A single stream's whole measurement at ``depth``, or ``None``."""
-        entry = self.entries.get(self._entry_for(depth, None, timer.verify_rows))
-        if self._usable(entry, timer.verify_rows):
-            return _costs(entry)
-        return None
+        return self._fresh(self._entry_for(depth, None, timer.verify_rows), timer.verify_rows)
 
     def known(self, depth: int, timer: RoundTimer) -> Optional[RoundCosts]:
         """What is measured at ``depth`` so far, measuring nothing: the whole
@@ -476,9 +477,9 @@ class CostProfile:
         for a single stream near the bucket's end, where that is not
         measured and the next one is, the next one's (``NEAR_BUCKET_END``)."""
         key = _entry_key(depth, batch)
-        if batch is None and not self._usable(self.entries.get(key), tokens):
+        if batch is None and self._fresh(key, tokens) is None:
             ahead = _entry_key(depth + NEAR_BUCKET_END, batch)
-            if self._usable(self.entries.get(ahead), tokens):
+            if self._fresh(ahead, tokens) is not None:
                 return ahead
         return key
 
@@ -502,10 +503,11 @@ class CostProfile:
         and of the measurements under way there past their first pass over
         every length (the later passes only refine them)."""
         found = {}
-        for key, entry in self.entries.items():
+        for key in list(self.entries):
             batch, _, bucket = key.partition("x")
-            if bucket == str(depth_bucket(depth)) and self._usable(entry, tokens):
-                found[int(batch)] = _costs(entry)
+            costs = bucket == str(depth_bucket(depth)) and self._fresh(key, tokens)
+            if costs:
+                found[int(batch)] = costs
         for batch, under_way in self.partial_batches(depth).items():
             if batch not in found and len(under_way.verify) == tokens:
                 found[batch] = under_way
@@ -594,6 +596,23 @@ class _Partial:
         return cls(costs, passes, next_length, entry["started"])
 
 
+
+
+def _well_formed(entry) -> bool:
+    """A whole measurement's entry (not one under way, ``_Partial.entry``)
+    with positive, finite seconds."""
+    if not isinstance(entry, dict) or "passes" in entry:
+        return False
+    verify, drafts, one = entry.get("verify"), entry.get("drafts"), entry.get("draft_one")
+    return (
+        isinstance(verify, list)
+        and isinstance(entry.get("measured_at"), (int, float))
+        and isinstance(drafts, int) and drafts >= 1
+        and all(
+            isinstance(c, (int, float)) and 0 < c < math.inf
+            for c in [entry.get("draft"), *([] if one is None else [one]), *verify]
+        )
+    )
 
 
 def _costs(entry: dict) -> RoundCosts:
