@@ -1329,6 +1329,13 @@ MUTANTS = [
         ("tests/test_confidence.py", "-k", "stale"),
     ),
     Mutant(
+        "two writers of one profile do not wait for each other",
+        "mlx_dspark/confidence/costs.py",
+        "        fcntl.flock(lock, fcntl.LOCK_EX)\n",
+        "",
+        ("tests/test_confidence.py", "-k", "writing"),
+    ),
+    Mutant(
         "every drafts count is weighed at each sequence's whole cap",
         "mlx_dspark/batching/policy.py",
         "        tokens = sum(e[min(k, len(e) - 1)] for e in emitted)\n",

@@ -8,6 +8,7 @@ import random
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -786,7 +787,39 @@ def test_two_processes_writing_one_profile_keep_each_others_measurements(tmp_pat
     first.costs(2000, CountingTimer(0.002, [0.01, 0.011]))
     entries = json.loads(path.read_text())
     assert set(entries) == {"512", "1024", "2048"} and entries["512"]["draft"] == 0.003
-    assert list(tmp_path.iterdir()) == [path]
+    # Nothing else is left behind but the profile's lock.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json", "profile.json.lock"]
+
+
+def test_two_processes_writing_at_once_keep_each_others_measurements(tmp_path):
+    """One writer has read the profile to merge it and is about to move its
+    own file into place when another writes: the lock holds the other back
+    until the first is done, so the first does not drop what the other
+    wrote, nor the other what the first did. (Without the lock the other
+    writes meanwhile, and the first's file, merged before it, replaces it.)"""
+    path = tmp_path / "profile.json"
+    first, second = CostProfile(path), CostProfile(path)
+    merged, other_wrote = threading.Event(), threading.Event()
+    read = first._read
+
+    def read_then_wait_for_the_other():
+        entries = read()
+        merged.set()
+        other_wrote.wait(timeout=1.0)  # never set while the lock holds it back
+        return entries
+
+    first._read = read_then_wait_for_the_other
+
+    def other_writer():
+        merged.wait(timeout=10.0)
+        second.costs(1000, CountingTimer(0.002, [0.01, 0.011]))
+        other_wrote.set()
+
+    other = threading.Thread(target=other_writer)
+    other.start()
+    first.costs(100, CountingTimer(0.002, [0.01, 0.011]))
+    other.join()
+    assert set(json.loads(path.read_text())) == {"512", "1024"}
 
 
 def test_a_profile_is_kept_per_drafter_precision_and_not_per_object(tiny_pair):

@@ -9,6 +9,7 @@ and device, one entry per context-depth bucket, re-measured when older than
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
@@ -357,23 +358,25 @@ class CostProfile:
         second worker, ``mlx_dspark costs``) wrote meanwhile: the newer
         measurement of a bucket is kept. Each writer writes a file of its
         own and moves it into place, so that a reader never sees half of
-        one."""
+        one, and holds the profile's lock from its read to that move, so
+        that two writing at once do not each drop what the other wrote."""
         if self.path is None:
             return
-        for key, entry in self._read().items():
-            if self._rank(entry) > self._rank(self.entries.get(key)):
-                self.entries[key] = entry
-                self._partial.pop(key, None)  # another process's is further on
         written = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(
-                "w", dir=self.path.parent, prefix=self.path.stem, suffix=".partial",
-                delete=False,
-            ) as f:
-                written = f.name
-                json.dump(self.entries, f, indent=1)
-            os.replace(written, self.path)
+            with _locked(self.path):
+                for key, entry in self._read().items():
+                    if self._rank(entry) > self._rank(self.entries.get(key)):
+                        self.entries[key] = entry
+                        self._partial.pop(key, None)  # another process's is further on
+                with tempfile.NamedTemporaryFile(
+                    "w", dir=self.path.parent, prefix=self.path.stem, suffix=".partial",
+                    delete=False,
+                ) as f:
+                    written = f.name
+                    json.dump(self.entries, f, indent=1)
+                os.replace(written, self.path)
         except BaseException as e:
             if written is not None:
                 with contextlib.suppress(OSError):
@@ -596,6 +599,18 @@ class _Partial:
         return cls(costs, passes, next_length, entry["started"])
 
 
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Holds ``path``'s lock (a file beside it) exclusively, among processes
+    and threads alike."""
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _well_formed(entry) -> bool:
