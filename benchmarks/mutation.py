@@ -1331,9 +1331,16 @@ MUTANTS = [
     Mutant(
         "two writers of one profile do not wait for each other",
         "mlx_dspark/confidence/costs.py",
-        "        fcntl.flock(lock, fcntl.LOCK_EX)\n",
-        "",
+        "                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n",
+        "                pass\n",
         ("tests/test_confidence.py", "-k", "writing"),
+    ),
+    Mutant(
+        "a profile's writer waits for a held lock for good",
+        "mlx_dspark/confidence/costs.py",
+        "                if time.monotonic() > deadline:\n",
+        "                if False:\n",
+        ("tests/test_confidence.py", "-k", "held_too_long"),
     ),
     Mutant(
         "every drafts count is weighed at each sequence's whole cap",

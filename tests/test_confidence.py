@@ -2,6 +2,7 @@
 schedulers (Algorithm 1 and its causal early stop, Appendix A), and the
 engine under any schedule."""
 
+import fcntl
 import json
 import os
 import random
@@ -820,6 +821,44 @@ def test_two_processes_writing_at_once_keep_each_others_measurements(tmp_path):
     first.costs(100, CountingTimer(0.002, [0.01, 0.011]))
     other.join()
     assert set(json.loads(path.read_text())) == {"512", "1024"}
+
+
+def test_a_profile_whose_lock_is_held_too_long_is_written_without_it(tmp_path, monkeypatch):
+    """A writer that cannot have the lock within ``LOCK_WAIT`` seconds (a
+    process stopped while it held it) writes anyway: a profile is a cache,
+    and a round must not stall on it. (The 30 seconds only bound a writer
+    that would wait for good.)"""
+    monkeypatch.setattr(costs_module, "LOCK_WAIT", 0.05)
+    path = tmp_path / "profile.json"
+    held = os.open(tmp_path / "profile.json.lock", os.O_RDONLY | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        writer = threading.Thread(
+            target=CostProfile(path).costs,
+            args=(100, CountingTimer(0.002, [0.01, 0.011])),
+            daemon=True,
+        )
+        writer.start()
+        writer.join(timeout=30.0)
+        assert not writer.is_alive()
+    finally:
+        os.close(held)
+    assert set(json.loads(path.read_text())) == {"512"}
+
+
+def test_a_profile_in_use_measures_a_bucket_again_once_it_goes_stale(tmp_path, monkeypatch):
+    """A profile a process holds checks each look-up's age, not only the
+    file's when it reads it: a server up for more than ``MAX_AGE`` measures
+    its buckets again."""
+    profile = CostProfile(tmp_path / "profile.json")
+    timer = CountingTimer(0.002, [0.01, 0.011])
+    profile.costs(100, timer)
+    profile.costs(100, timer)
+    assert timer.calls == 1
+    later = time.time() + costs_module.MAX_AGE + 60
+    monkeypatch.setattr(costs_module.time, "time", lambda: later)
+    profile.costs(100, timer)
+    assert timer.calls == 2
 
 
 def test_a_profile_is_kept_per_drafter_precision_and_not_per_object(tiny_pair):

@@ -29,6 +29,8 @@ from mlx.utils import tree_flatten
 from .calibration import user_cache_dir
 
 MAX_AGE = 7 * 24 * 3600.0
+# Seconds a profile's writer waits for another's lock (see ``_locked``).
+LOCK_WAIT = 5.0
 REPEATS = 3
 # How a cost is read from its repeats. Whatever else the machine does only
 # adds time: in a server, the handler threads that stream the tokens of the
@@ -343,7 +345,9 @@ class CostProfile:
         self.max_age = max_age
         self.entries = self._read()
         self._partial = {}  # entry key -> the _Partial measurement under way
-        self._built = {}  # entry key -> (its entry, its RoundCosts)
+        # entry key -> (its entry, its RoundCosts): entries are replaced
+        # (measured again, merged from the file), never changed in place.
+        self._built = {}
         self.timings = 0  # calls that timed parts on the live caches
 
     def _read(self) -> dict:
@@ -604,13 +608,26 @@ class _Partial:
 @contextlib.contextmanager
 def _locked(path: Path):
     """Holds ``path``'s lock (a file beside it) exclusively, among processes
-    and threads alike."""
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    and threads alike, waiting ``LOCK_WAIT`` seconds at most. A profile is
+    a cache: where the lock cannot be had (held that long by a stopped
+    process, a file system without locks), the write goes on without it
+    rather than stall a round or be lost."""
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
+        deadline = time.monotonic() + LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+            except OSError:
+                break
+        yield
+    finally:
+        os.close(fd)  # which releases the lock
 
 
 def _well_formed(entry) -> bool:
