@@ -7,7 +7,8 @@ alternating): N sequences, each with its own prompt, generate
 decode time (prompt processing excluded), as mlx-lm's ``BatchStats``
 reports it. Per batch size and generator: aggregate tokens/s, the ratio to
 plain batching, and for the speculative ones tau and the mean drafts the
-policy verified per round. ``--single``: at batch size 1, also the
+policy verified per round; a ``cost`` generator keeps one policy across
+its runs, as ``mlx_lm.server`` keeps one across drains. ``--single``: at batch size 1, also the
 single-stream engine (``speculative_generate_step``, fixed and cost
 schedulers) on the same prompt, decode tokens over decode time alike (the
 prompt and the first token excluded): what a single stream would gain or
@@ -68,6 +69,7 @@ def run(make, prompts_, max_tokens, stats=None, like_server=False):
         while responses := generator.next_generated():
             for r in responses if like_server else ():
                 r.logprobs[r.token].item()
+    generator.close()  # lets the next one have its policy, as the server's drains do
     return measured.generation_tokens / measured.decode_time
 
 
@@ -155,10 +157,14 @@ def measure(args, parser):
     # mlx_lm.server runs its batch generator on the thread's default stream,
     # where its reads of each token's log-probability run too.
     stream = {"stream": mx.default_stream(mx.default_device())} if args.like_server else {}
+    # Each cost generator's policy paces all its runs, the warm-up's too, as
+    # mlx_lm.server's policy paces the batches after each drain: a fresh one
+    # spends a run's first rounds learning what rounds cost.
+    policies = {name: BatchPolicy() for name in ("cost", "cost-serial", "cost-calibrated")}
     generators = {
         "plain": lambda: BatchGenerator(model, completion_batch_size=64, **stream),
         "spec-cost": lambda: SpeculativeBatchGenerator(
-            model, drafter, completion_batch_size=64, policy=BatchPolicy(), **stream
+            model, drafter, completion_batch_size=64, policy=policies["cost"], **stream
         ),
         "spec-fixed": lambda: SpeculativeBatchGenerator(
             model, drafter, completion_batch_size=64, policy=FixedPolicy(), **stream
@@ -166,7 +172,7 @@ def measure(args, parser):
     }
     if args.serial:
         generators["spec-cost-serial"] = lambda: SpeculativeBatchGenerator(
-            model, drafter, completion_batch_size=64, policy=BatchPolicy(), pipeline=False,
+            model, drafter, completion_batch_size=64, policy=policies["cost-serial"], pipeline=False,
             **stream,
         )
         generators["spec-fixed-serial"] = lambda: SpeculativeBatchGenerator(
@@ -180,7 +186,8 @@ def measure(args, parser):
             TINY / "dspark_tiny_gemma4_block4", calibration=args.calibration
         )
         generators["spec-cost-calibrated"] = lambda: SpeculativeBatchGenerator(
-            model, calibrated, completion_batch_size=64, policy=BatchPolicy(), **stream
+            model, calibrated, completion_batch_size=64, policy=policies["cost-calibrated"],
+            **stream
         )
     singles = {"single-fixed": "fixed", "single-cost": "cost"} if args.single else {}
     unknown = set(args.only or ()) - set(generators) - set(singles) - {"plain"}
