@@ -145,6 +145,13 @@ class SlidingWindowKVCache(_BaseCache):
         o = self.offset
         if o == 0 and not self._in_place(N):
             return create_causal_mask(N, 0, window_size=self.window)
+        if N == 1 and max(self._end, o + 1) >= self.capacity:
+            # Every slot written: the one query sees all but the
+            # ``max_rollback - 1`` slots after its own (positions too old, or
+            # rolled back). A third of the ops of the general mask, in every
+            # round of a parked stream.
+            shift = mx.remainder(mx.arange(self.capacity) - (o + 1), self.capacity)
+            return (shift >= self.max_rollback - 1)[None]
         if self._in_place(N):
             # The ring after the write (stale slots, at or past o + N, are
             # in the causal future of every query).
