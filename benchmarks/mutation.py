@@ -584,6 +584,20 @@ MUTANTS = [
         ("tests/test_cache.py",),
     ),
     Mutant(
+        "a one-row mask shows a rolled-back or too-old slot",
+        "mlx_dspark/cache.py",
+        "return (shift >= self.max_rollback - 1)[None]",
+        "return (shift >= self.max_rollback - 2)[None]",
+        ("tests/test_cache.py",),
+    ),
+    Mutant(
+        "the one-row mask's shortcut taken before every slot is written",
+        "mlx_dspark/cache.py",
+        "if N == 1 and max(self._end, o + 1) >= self.capacity:",
+        "if N == 1 and self.slots == self.capacity:",
+        ("tests/test_cache.py",),
+    ),
+    Mutant(
         "a joining sequence starts from the fixed prior",
         "mlx_dspark/batching/generator.py",
         "acceptance=self._recent.newcomer(),",
