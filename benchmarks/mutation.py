@@ -593,9 +593,16 @@ MUTANTS = [
     Mutant(
         "the one-row mask's shortcut taken before every slot is written",
         "mlx_dspark/cache.py",
-        "if N == 1 and max(self._end, o + 1) >= self.capacity:",
-        "if N == 1 and self.slots == self.capacity:",
+        "written = max(self._end, o + 1) >= self.capacity",
+        "written = self.slots == self.capacity",
         ("tests/test_cache.py",),
+    ),
+    Mutant(
+        "the one-row mask's shortcut taken after a rollback deeper than max_rollback",
+        "mlx_dspark/cache.py",
+        "if N == 1 and written and self._end - o <= self.max_rollback:",
+        "if N == 1 and written:",
+        ("tests/test_cache.py", "-k", "deep_as_allowed"),
     ),
     Mutant(
         "a joining sequence starts from the fixed prior",

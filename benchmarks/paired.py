@@ -149,6 +149,9 @@ def main():
                     "rounds_by_verified": dict(
                         sorted(collections.Counter(r.proposed for r in stats.history).items())
                     ),
+                    # Which rounds drafted, in order, over the pairs'
+                    # generations (where a paced stream probes, or flips).
+                    "drafted_rounds": [i for i, r in enumerate(stats.history) if r.proposed],
                     "context": args.context,
                     "max_tokens": args.max_tokens,
                     "acceptance": "replayed (synthetic); wall-clock real",

@@ -145,11 +145,14 @@ class SlidingWindowKVCache(_BaseCache):
         o = self.offset
         if o == 0 and not self._in_place(N):
             return create_causal_mask(N, 0, window_size=self.window)
-        if N == 1 and max(self._end, o + 1) >= self.capacity:
-            # Every slot written: the one query sees all but the
-            # ``max_rollback - 1`` slots after its own (positions too old, or
-            # rolled back). A third of the ops of the general mask, in every
-            # round of a parked stream.
+        written = max(self._end, o + 1) >= self.capacity
+        if N == 1 and written and self._end - o <= self.max_rollback:
+            # Every slot written, and at most ``max_rollback - 1`` positions
+            # rolled back (a deeper trim is allowed while nothing has left
+            # the ring): the one query sees all but the ``max_rollback - 1``
+            # slots after its own (positions too old, or rolled back). A
+            # third of the ops of the general mask, in every round of a
+            # parked stream.
             shift = mx.remainder(mx.arange(self.capacity) - (o + 1), self.capacity)
             return (shift >= self.max_rollback - 1)[None]
         if self._in_place(N):

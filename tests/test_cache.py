@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
@@ -76,6 +76,45 @@ def test_rollback_equals_never_having_seen_the_dropped_tokens(case):
         assert cache.offset == kept_k.shape[2]
         # Memory is bounded by the window plus the rollback depth.
         assert cache.keys.shape[2] <= window - 1 + max_rollback
+
+
+@settings(
+    max_examples=300 if settings().max_examples < 300 else settings().max_examples
+)
+@example(window=8, max_rollback=2, beyond_ring=0, depth=0.5, steps=2, seed=0)
+@given(
+    st.integers(1, 9),
+    st.integers(1, 6),
+    st.integers(-8, 30),
+    st.floats(0, 1),
+    st.integers(1, 12),
+    st.integers(0, 2**31 - 1),
+)
+def test_one_row_queries_after_a_rollback_as_deep_as_allowed(
+    window, max_rollback, beyond_ring, depth, steps, seed
+):
+    """A trim as deep as ``rollback_limit`` allows (the whole history, while
+    nothing has left the ring: a server's prompt cache trimmed to a shared
+    prefix), then one token at a time: each query attends exactly as over
+    the kept tokens alone, however many rolled-back positions the ring
+    still holds (more than ``max_rollback - 1`` of them, right after the
+    ring is first filled)."""
+    mx.random.seed(seed)
+    cache = SlidingWindowKVCache(window, max_rollback)
+    written = max(1, cache.capacity + beyond_ring)
+    keys, values = (mx.random.normal((1, H, written, D)) for _ in range(2))
+    cache.update_and_fetch(keys, values)
+    cache.trim(round(depth * rollback_limit(cache)))
+    kept_k, kept_v = keys[:, :, : cache.offset], values[:, :, : cache.offset]
+    for _ in range(steps):
+        new_k, new_v, q = (mx.random.normal((1, H, 1, D)) for _ in range(3))
+        mask = cache.make_mask(1, window_size=window)
+        ours = attend(q, *cache.update_and_fetch(new_k, new_v), mask)
+        offset = kept_k.shape[2]
+        kept_k = mx.concatenate([kept_k, new_k], axis=2)
+        kept_v = mx.concatenate([kept_v, new_v], axis=2)
+        expected = attend(q, kept_k, kept_v, create_causal_mask(1, offset, window_size=window))
+        np.testing.assert_allclose(np.array(ours), np.array(expected), atol=1e-5)
 
 
 def test_rolling_back_further_than_kept_history_is_refused():
