@@ -3,9 +3,10 @@
 # target with the Gemma-4 assistant at chat acceptance, and the batched
 # assistant's `cost` policy against `fixed`). Expects the wheels installed into
 # ~/site as for device.sh; results go to $OUT (the batch policy's switches in
-# batch-assistant.log; a single stream's choices are the rounds by drafts in
-# the paired JSON lines; the cost profiles measured in verify-cost/). About 8
-# minutes on an H200.
+# batch-assistant.log, a single stream's in paired-4bit-assistant.log; the
+# time each kind of round lost against plain decoding, parked rounds and
+# probes apart, in the paired JSON lines; the cost profiles measured in
+# verify-cost/). About 8 minutes on an H200.
 set -euo pipefail
 export PYTHONPATH=~/site
 export MLX_DSPARK_CACHE="${MLX_DSPARK_CACHE:-$HOME/mdc}"
@@ -18,8 +19,8 @@ debug() {  # run a benchmark with the policies' debug lines on stderr
 python3 sdpa_mask.py --context 2048 | tee "$OUT/sdpa-mask.json"
 python3 parked.py --target-bits 4 --drafter assistant --context 2048 --passes 3 \
     --out "$OUT/parked-4bit-assistant.jsonl"
-python3 paired.py --target-bits 4 --drafters assistant --taus 3.3 --schedulers cost fixed \
-    --pairs 3 --max-tokens 128 --out "$OUT/paired-4bit-assistant.jsonl"
+debug paired.py --target-bits 4 --drafters assistant --taus 3.3 --schedulers cost fixed \
+    --pairs 3 --max-tokens 128 --out "$OUT/paired-4bit-assistant.jsonl" 2> "$OUT/paired-4bit-assistant.log"
 MLX_USE_CUDA_GRAPHS=0 debug batch.py --drafter assistant --shapes 12b --tau 3.3 --batch 1 4 8 \
     --like-server --json "$OUT/batch-assistant.json" 2> "$OUT/batch-assistant.log"
 mkdir -p "$OUT/verify-cost"

@@ -45,14 +45,58 @@ DRAFTERS = {
 }
 
 
-def throughput(steps) -> tuple:
-    """Tokens per second after the first token, and the tokens."""
-    tokens, first = [], None
+def throughput(steps, history=None) -> tuple:
+    """Tokens per second after the first token, the tokens, and when each
+    was yielded; given a speculative run's ``stats.history``, also when each
+    of its rounds yielded its first token (the rounds appended meanwhile)."""
+    tokens, stamps, rounds = [], [], []
+    start = None if history is None else len(history)
     for step in steps():
+        stamps.append(time.perf_counter())
         tokens.append(int(step[0]))
-        if first is None:
-            first = time.perf_counter()
-    return (len(tokens) - 1) / (time.perf_counter() - first), tokens
+        if history is not None and start + len(rounds) < len(history):
+            rounds.append(stamps[-1])
+    return (len(tokens) - 1) / (stamps[-1] - stamps[0]), tokens, stamps, rounds
+
+
+ROUND_KINDS = ("parked", "parked after drafting", "drafting after parked", "drafting")
+
+
+def round_kind(round, before) -> str:
+    """A round's kind by whether it and the one before it drafted (a
+    generation's first round comes after the prompt's forward, a plain one)."""
+    drafted = bool(round.drafts)
+    was = before is not None and bool(before.drafts)
+    if drafted:
+        return "drafting" if was else "drafting after parked"
+    return "parked after drafting" if was else "parked"
+
+
+def rounds_lost(generations, plain_token: float) -> dict:
+    """Where the speculative runs' time went against plain decoding's, by
+    kind of round: each round's seconds (from the first token of the round
+    before it to its own first token; a generation's first round from its
+    first token, which the prompt's forward gave) less what plain decoding
+    takes for its tokens (``plain_token`` seconds each). ``lost_share``: a
+    kind's loss in the runs' total time (negative: it gained)."""
+    by_kind = collections.defaultdict(list)
+    total = 0.0
+    for rounds, first, stamps in generations:
+        times = [b - a for a, b in zip([first] + stamps, stamps)]
+        total += stamps[-1] - first if stamps else 0.0
+        for i, (r, seconds) in enumerate(zip(rounds, times)):
+            by_kind[round_kind(r, rounds[i - 1] if i else None)].append(
+                (seconds, r.acceptance_length)
+            )
+    return {
+        kind: {
+            "rounds": len(by_kind[kind]),
+            "median_ms": round(1000 * statistics.median(s for s, _ in by_kind[kind]), 2),
+            "lost_share": round(sum(s - n * plain_token for s, n in by_kind[kind]) / total, 4),
+        }
+        for kind in ROUND_KINDS
+        if by_kind[kind]
+    }
 
 
 def main():
@@ -113,10 +157,13 @@ def main():
                 with replayed_acceptance(tau, drafter.block_size):
                     throughput(speculative)  # warm-up
                     stats.history.clear()
-                    runs = []
+                    runs, plain_tokens, generations = [], [], []
                     for _ in progress(range(args.pairs), desc=f"{name} tau {tau}"):
-                        plain_tps, _ = throughput(plain)
-                        spec_tps, _ = throughput(speculative)
+                        plain_tps, _, stamps, _ = throughput(plain)
+                        plain_tokens += [b - a for a, b in zip(stamps, stamps[1:])]
+                        first = len(stats.history)
+                        spec_tps, _, stamps, rounds = throughput(speculative, stats.history)
+                        generations.append((stats.history[first:], stamps[0], rounds))
                         runs.append((plain_tps, spec_tps))
                     phase_ms = phases(
                         model, drafter, prompt, args.max_tokens, drafter.block_size, scheduler
@@ -152,6 +199,10 @@ def main():
                     # Which rounds drafted, in order, over the pairs'
                     # generations (where a paced stream probes, or flips).
                     "drafted_rounds": [i for i, r in enumerate(stats.history) if r.proposed],
+                    # Each kind of round's time against plain decoding's
+                    # for its tokens (``rounds_lost``).
+                    "plain_token_ms": round(1000 * statistics.median(plain_tokens), 2),
+                    "rounds_lost": rounds_lost(generations, statistics.median(plain_tokens)),
                     "context": args.context,
                     "max_tokens": args.max_tokens,
                     "acceptance": "replayed (synthetic); wall-clock real",

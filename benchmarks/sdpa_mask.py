@@ -5,8 +5,11 @@ A parked round (and every plain decoding step of a speculative generation)
 queries one row. mlx-lm's ``RotatingKVCache`` then holds exactly the window and
 passes no mask; ``SlidingWindowKVCache`` holds ``window - 1 + rows`` slots in a
 ring and masks the ``rows - 1`` stale ones. Where a backend's fused one-query
-attention takes no array mask (MLX-CUDA's ``sdpa_vector`` in some versions),
-the masked query runs another kernel. Timed at Gemma-4-12B's sliding-layer
+attention takes no array mask, the masked query runs another kernel. (Not
+at Gemma-4's head size on MLX-CUDA 0.32.4: its one-query kernel is built for
+head sizes 64, 96 and 128 only, and its cuDNN attention takes 128 at most,
+so both queries run MLX's unfused attention there, the masked one with the
+mask applied to its scores.) Timed at Gemma-4-12B's sliding-layer
 shapes, as a chain of ``--layers`` attentions evaluated at once (a token's
 sliding layers), three ways: unmasked over the window, masked over the ring
 with a mask built beforehand, and the same with the mask built for the token

@@ -17,6 +17,7 @@ from mlx_dspark.confidence.costs import LAUNCH_SETTINGS
 from mlx_dspark.doctor import conditional_for_tau
 from mlx_dspark.integration.batch import ServerBatchGenerator
 from mlx_dspark.speculative.engine import adapt_target
+from mlx_dspark.speculative.stats import Round
 
 from test_lossless import trained
 
@@ -143,6 +144,32 @@ def test_paired_runs_with_the_launch_settings_the_commands_set(
     paired.main()
     assert at_first_eval == [settings]
     assert json.loads(out.read_text())["launch_settings"] == settings
+
+
+def test_paired_splits_the_time_lost_by_kind_of_round(bench):
+    """Each round's seconds run from the first token of the round before (a
+    generation's first, from the prompt's token) to its own; a kind's loss
+    is its seconds less plain decoding's for its tokens, as a share of the
+    runs' time, so the shares add up to the runs' loss against plain."""
+    paired = bench("paired")
+
+    def r(drafts, accepted):
+        return Round(0, 0, [1] * drafts, None, drafts, accepted, 2)
+
+    rounds = [r(0, 0), r(0, 0), r(6, 3), r(6, 1), r(0, 0)]
+    # 10 ms a plain token; rounds of 10, 12, 60, 25, 15 ms.
+    stamps = [0.010, 0.022, 0.082, 0.107, 0.122]
+    lost = paired.rounds_lost([(rounds, 0.0, stamps)], 0.010)
+    assert lost == {
+        "parked": {"rounds": 2, "median_ms": 11.0, "lost_share": round(0.002 / 0.122, 4)},
+        "drafting after parked": {"rounds": 1, "median_ms": 60.0, "lost_share": round(0.02 / 0.122, 4)},
+        "drafting": {"rounds": 1, "median_ms": 25.0, "lost_share": round(0.005 / 0.122, 4)},
+        "parked after drafting": {"rounds": 1, "median_ms": 15.0, "lost_share": round(0.005 / 0.122, 4)},
+    }
+    total = sum(kind["lost_share"] for kind in lost.values())
+    assert total == pytest.approx((0.122 - 9 * 0.010) / 0.122, abs=1e-3)
+    first = paired.rounds_lost([([r(6, 6)], 0.0, [0.02])], 0.010)
+    assert list(first) == ["drafting after parked"]
 
 
 def test_paired_refuses_two_target_precisions_in_one_process(bench, monkeypatch, capsys):
