@@ -60,6 +60,7 @@ def throughput(steps, history=None) -> tuple:
 
 
 ROUND_KINDS = ("parked", "parked after drafting", "drafting after parked", "drafting")
+SLOWEST = 8
 
 
 def round_kind(round, before) -> str:
@@ -78,17 +79,18 @@ def rounds_lost(generations, plain_token: float) -> dict:
     before it to its own first token; a generation's first round from its
     first token, which the prompt's forward gave) less what plain decoding
     takes for its tokens (``plain_token`` seconds each). ``lost_share``: a
-    kind's loss in the runs' total time (negative: it gained)."""
+    kind's loss in the runs' total time (negative: it gained); ``slowest``:
+    the ``SLOWEST`` longest rounds, by generation and index in it."""
     by_kind = collections.defaultdict(list)
-    total = 0.0
-    for rounds, first, stamps in generations:
+    total, every = 0.0, []
+    for g, (rounds, first, stamps) in enumerate(generations):
         times = [b - a for a, b in zip([first] + stamps, stamps)]
         total += stamps[-1] - first if stamps else 0.0
         for i, (r, seconds) in enumerate(zip(rounds, times)):
-            by_kind[round_kind(r, rounds[i - 1] if i else None)].append(
-                (seconds, r.acceptance_length)
-            )
-    return {
+            kind = round_kind(r, rounds[i - 1] if i else None)
+            by_kind[kind].append((seconds, r.acceptance_length))
+            every.append((seconds, g, i, kind))
+    lost = {
         kind: {
             "rounds": len(by_kind[kind]),
             "median_ms": round(1000 * statistics.median(s for s, _ in by_kind[kind]), 2),
@@ -97,6 +99,11 @@ def rounds_lost(generations, plain_token: float) -> dict:
         for kind in ROUND_KINDS
         if by_kind[kind]
     }
+    lost["slowest"] = [
+        {"generation": g, "round": i, "kind": kind, "ms": round(1000 * seconds, 2)}
+        for seconds, g, i, kind in sorted(every, reverse=True)[:SLOWEST]
+    ]
+    return lost
 
 
 def main():

@@ -160,6 +160,10 @@ def test_paired_splits_the_time_lost_by_kind_of_round(bench):
     # 10 ms a plain token; rounds of 10, 12, 60, 25, 15 ms.
     stamps = [0.010, 0.022, 0.082, 0.107, 0.122]
     lost = paired.rounds_lost([(rounds, 0.0, stamps)], 0.010)
+    assert lost.pop("slowest")[:2] == [
+        {"generation": 0, "round": 2, "kind": "drafting after parked", "ms": 60.0},
+        {"generation": 0, "round": 3, "kind": "drafting", "ms": 25.0},
+    ]
     assert lost == {
         "parked": {"rounds": 2, "median_ms": 11.0, "lost_share": round(0.002 / 0.122, 4)},
         "drafting after parked": {"rounds": 1, "median_ms": 60.0, "lost_share": round(0.02 / 0.122, 4)},
@@ -169,7 +173,7 @@ def test_paired_splits_the_time_lost_by_kind_of_round(bench):
     total = sum(kind["lost_share"] for kind in lost.values())
     assert total == pytest.approx((0.122 - 9 * 0.010) / 0.122, abs=1e-3)
     first = paired.rounds_lost([([r(6, 6)], 0.0, [0.02])], 0.010)
-    assert list(first) == ["drafting after parked"]
+    assert list(first) == ["drafting after parked", "slowest"]
 
 
 def test_paired_refuses_two_target_precisions_in_one_process(bench, monkeypatch, capsys):

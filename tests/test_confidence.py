@@ -1175,6 +1175,34 @@ def test_a_scheduler_choice_out_of_range_is_refused(tiny_pair, choice):
         speculative(model, drafter, [65, 211], 20, scheduler=WrongScheduler(choice))
 
 
+class OwnCosts:
+    """A scheduler of one's own with a ``costs`` method, which the docs
+    once said would be paced: it is not (only ``CostScheduler`` is)."""
+
+    name = "own"
+    needs_confidence = False
+
+    def choose(self, logits, depth, timer):
+        raise AssertionError("not asked: it needs no confidences")
+
+    def costs(self, depth, timer):
+        return RoundCosts(0.001, [0.010] + [1.0] * 7)
+
+
+def test_a_scheduler_of_ones_own_verifies_every_draft(tiny_pair):
+    """Without confidences it is asked nothing, and every round verifies
+    every draft its budget allows (drafting would not pay on its costs, and
+    a pacing would park), with the target's output."""
+    model, drafter = tiny_pair
+    prompt = [65, 211, 266, 241]
+    ours, stats = speculative(model, drafter, prompt, 20, scheduler=OwnCosts())
+    assert ours == plain_greedy(model, prompt, 20)
+    emitted = 1
+    for r in stats.history:
+        assert r.proposed == min(drafter.block_size, 20 - emitted - 1)
+        emitted += r.acceptance_length
+
+
 class TableCostScheduler(CostScheduler):
     """The cost scheduler on a fixed table of round costs instead of this
     machine's timings, so that its choices depend on the confidences alone

@@ -27,7 +27,8 @@ from .hooks import generation_options, server_options
 
 HELP = """\
 mlx-dspark (hidden-state speculative drafters, e.g. DeepSeek DSpark/DFlash):
-  --draft-model PATH_OR_HUB_ID   may also be a DSpark/DFlash drafter checkpoint
+  --draft-model PATH_OR_HUB_ID   may also be a DSpark/DFlash drafter or a
+                                 Gemma-4 assistant checkpoint
   --num-draft-tokens N           with such a drafter: drafts verified per round,
                                  default its trained block size (at most that
                                  for DSpark/DFlash, 32 for a Gemma-4 assistant)
@@ -35,12 +36,15 @@ mlx-dspark (hidden-state speculative drafters, e.g. DeepSeek DSpark/DFlash):
                                  confidence is below T (DSpark; default 0: none,
                                  the scheduler decides)
   --draft-scheduler {fixed,threshold,cost}
-                                 drafts verified per round (DSpark): all, up to
-                                 the threshold, or as many as maximise expected
-                                 tokens/s on this machine (measured costs);
-                                 default cost when greedy, fixed when sampling
-  --draft-calibration FILE       the confidence calibration to use (default:
-                                 the one `mlx_dspark calibrate` saved, if any)
+                                 drafts verified per round: all, up to the
+                                 threshold (DSpark), or as many as maximise
+                                 expected tokens/s on this machine (measured
+                                 costs); default cost, but fixed when sampling
+                                 (one seed, one text) other than under
+                                 mlx_lm.generate without --seed
+  --draft-calibration FILE       the confidence calibration to use (DSpark;
+                                 default: the one `mlx_dspark calibrate`
+                                 saved, if any)
   --draft-kv-view {transformers,clean}
                                  the K/V a Gemma-4 assistant sees (default
                                  transformers': drafts match transformers')
@@ -49,7 +53,7 @@ mlx-dspark (hidden-state speculative drafters, e.g. DeepSeek DSpark/DFlash):
 
 SERVER_HELP = """\
   --draft-batch-policy {cost,fixed,off}
-                                 mlx_lm.server with a DSpark/DFlash drafter
+                                 mlx_lm.server with a hidden-state drafter
                                  serves concurrent requests in one batch; each
                                  round verifies the drafts that maximise the
                                  batch's tokens/s on this machine (cost, the

@@ -38,6 +38,7 @@ from collections import deque
 from ..batching.policy import Acceptance, BatchPolicy
 from ..confidence.calibration import kept_rates
 from ..confidence.costs import VERIFIES_MEASURED_PER_ROUND
+from ..confidence.schedulers import CostScheduler
 
 # How much a round's acceptance counts decay each round: a memory of about 30
 # rounds. Where drafting pays by a fifth or so, a shorter one parks on a few
@@ -189,6 +190,8 @@ class FixedPacing:
 
 
 def pacing_for(scheduler, timer, drafts: int):
-    if callable(getattr(scheduler, "costs", None)):
+    # Only the cost scheduler keeps what a pacing learns across generations
+    # and pads verifies into rows the engine's caches were made for.
+    if isinstance(scheduler, CostScheduler):
         return Pacing(scheduler, timer, drafts)
     return FixedPacing()
