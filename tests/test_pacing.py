@@ -632,9 +632,10 @@ PARKED = [0.010] + [0.050] * 15
 def test_a_parked_stream_builds_each_round_before_reading_the_one_before(monkeypatch):
     """Parked, a round is chosen and built before the round before it is
     read, so that the device works on it meanwhile, as mlx-lm's plain
-    decoding overlaps its steps: before each token after the first is
-    yielded, the target forward of the next one is already built (but for
-    the last, where none follows)."""
+    decoding overlaps its steps: before each token is yielded, the prompt's
+    too, the target forward of the next one is already built (but for the
+    last, where none follows; and none where the prompt's token is the only
+    one asked for)."""
     model, drafter = trained("gemma4", "dflash")
     forwards = verify_rows_seen(monkeypatch)
     prompt, max_tokens = [65, 211, 266, 241, 234, 10, 325, 168], 12
@@ -651,7 +652,14 @@ def test_a_parked_stream_builds_each_round_before_reading_the_one_before(monkeyp
     assert not any(r.proposed for r in stats.history)
     assert set(forwards[2:]) == {1}
     decoded = max_tokens - 1
-    assert built[1:] == [min(k + 2, decoded) for k in range(decoded)]
+    assert built == [min(k + 1, decoded) for k in range(max_tokens)]
+
+    forwards.clear()
+    steps = speculative_generate_step(
+        mx.array(prompt), model, drafter, max_tokens=1,
+        scheduler=TableCostScheduler(None, 0.05, PARKED),
+    )
+    assert [t for t, _, _ in steps] == ours[:1] and len(forwards) == 2
 
 
 class ParksThenDrafts:

@@ -282,6 +282,17 @@ def speculative_generate_step(
                 take_in_parked_taps()
             return log_probs, tokens[:1]
 
+        def ahead(anchor, context, start, emitted):
+            """The next round chosen, and built and started if it has no
+            drafts, before the round before it is read: the device works on
+            it meanwhile, as mlx-lm's plain decoding overlaps its steps
+            (its work is wasted if that round's token stops). Returns
+            ``(built, chosen)``."""
+            num_drafts = pacing.drafts(cap(emitted), start)
+            if num_drafts:
+                return None, (start, num_drafts)
+            return (start, *plain_round(anchor, context, start)), None
+
         def take_in_parked_taps():
             """The drafter takes in the parked rounds' taps, in one call:
             projecting n positions costs a DSpark drafter about what one
@@ -295,10 +306,14 @@ def speculative_generate_step(
                 mx.async_eval([c.state for c in draft_cache])
 
         try:
+            # The first round too, before the prompt's token is read, as
+            # generate_step starts its second step before yielding its first.
+            built = chosen = None
+            if max_tokens != 1:
+                built, chosen = ahead(anchor, context, target_cache[0].offset, 1)
             token = anchor.item()
             yielded.append(token)
             yield token, log_probs[0], False
-            built = chosen = None
             while token not in stop_tokens and len(yielded) != max_tokens:
                 plain = None
                 if built is not None:
@@ -314,15 +329,8 @@ def speculative_generate_step(
                         plain = plain_round(anchor, context, start)
                     log_probs, tokens = plain
                     context = mx.concatenate([context, tokens])
-                    # The next round is chosen, and built if it has no drafts
-                    # either, before this one is read: the device works on it
-                    # meanwhile, as mlx-lm's plain decoding overlaps its
-                    # steps. (Its work is wasted if this token stops.)
                     if max_tokens <= 0 or len(yielded) + 1 < max_tokens:
-                        chosen = (start + 1, pacing.drafts(cap(len(yielded) + 1), start + 1))
-                        if chosen[1] == 0:
-                            built = (start + 1, *plain_round(tokens, context, start + 1))
-                            chosen = None
+                        built, chosen = ahead(tokens, context, start + 1, len(yielded) + 1)
                     token = tokens.item()
                     pacing.update(0, 0)
                     stats.history.append(
