@@ -179,7 +179,11 @@ class NeverPays(CostScheduler):
         self.table = RoundCosts(1.0, [0.01] + [100.0] * 15)
 
     def profile(self, timer):
-        return SimpleNamespace(costs=lambda *_, most=None: self.table, known=lambda *_: self.table)
+        return SimpleNamespace(
+            costs=lambda *_, most=None: self.table,
+            known=lambda *_: self.table,
+            measured=lambda *_: self.table,
+        )
 
 
 def parked_against_stock(target, drafter, prompt, tokens=128) -> dict:

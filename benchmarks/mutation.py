@@ -614,15 +614,22 @@ MUTANTS = [
     Mutant(
         "a stream's first round is built only after the prompt's token is read",
         SPEC + "engine.py",
-        "            if max_tokens != 1:\n                built, chosen = ahead(",
-        "            if False:\n                built, chosen = ahead(",
+        "            if max_tokens != 1 and not pacing.measures(start):\n",
+        "            if False:\n",
         ("tests/test_pacing.py", "-k", "builds_each_round"),
+    ),
+    Mutant(
+        "the prompt's token waits for a measurement of the first round's costs",
+        SPEC + "engine.py",
+        "            if max_tokens != 1 and not pacing.measures(start):\n",
+        "            if max_tokens != 1:\n",
+        ("tests/test_pacing.py", "-k", "waits_for_no_measurement"),
     ),
     Mutant(
         "a stream asked for the prompt's token alone builds a round after it",
         SPEC + "engine.py",
-        "            if max_tokens != 1:\n",
-        "            if True:\n",
+        "            if max_tokens != 1 and not pacing.measures(start):\n",
+        "            if not pacing.measures(start):\n",
         ("tests/test_pacing.py", "-k", "builds_each_round"),
     ),
     Mutant(
@@ -1025,8 +1032,8 @@ MUTANTS = [
     Mutant(
         "the first round, built ahead, leaves the prompt's token out of the processors' context",
         SPEC + "engine.py",
-        "built, chosen = ahead(anchor, context, target_cache[0].offset, 1)",
-        "built, chosen = ahead(anchor, context[:-1], target_cache[0].offset, 1)",
+        "built, chosen = ahead(anchor, context, start, 1)",
+        "built, chosen = ahead(anchor, context[:-1], start, 1)",
         ("tests/test_sampling.py", "-k", "greedy_with_logits_processors"),
     ),
     Mutant(

@@ -1216,6 +1216,7 @@ class TableCostScheduler(CostScheduler):
         return SimpleNamespace(
             costs=lambda depth, timer, most=None: self.table,
             known=lambda depth, timer: self.table,
+            measured=lambda depth, timer: self.table,
         )
 
 

@@ -157,7 +157,7 @@ class MeasuredAsItGoes(TableCostScheduler):
             return measured()
 
         measured = lambda *_: RoundCosts(self.table.draft, self.table.verify[: self.lengths])  # noqa: E731
-        return SimpleNamespace(costs=costs, known=measured)
+        return SimpleNamespace(costs=costs, known=measured, measured=lambda *_: None)
 
 
 @pytest.mark.parametrize("timed", [False, True])
@@ -231,7 +231,8 @@ class MeasuringCostScheduler(TableCostScheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.measuring = SimpleNamespace(
-            timings=0, costs=self.measure, known=lambda depth, timer: self.table
+            timings=0, costs=self.measure, known=lambda depth, timer: self.table,
+            measured=lambda depth, timer: None,
         )
 
     def measure(self, depth, timer, most=None):
@@ -662,6 +663,32 @@ def test_a_parked_stream_builds_each_round_before_reading_the_one_before(monkeyp
     assert [t for t, _, _ in steps] == ours[:1] and len(forwards) == 2
 
 
+def test_the_prompts_token_waits_for_no_measurement(monkeypatch):
+    """Where the costs at the prompt's depth are not all measured yet, the
+    first round is chosen (and its verifies timed) only after the prompt's
+    token is yielded; once they are, it is chosen before."""
+    model, drafter = trained("gemma4", "dflash")
+    forwards = verify_rows_seen(monkeypatch)
+    chosen, drafts = [], Pacing.drafts
+
+    def counted(self, cap, depth):
+        chosen.append(depth)
+        return drafts(self, cap, depth)
+
+    monkeypatch.setattr(Pacing, "drafts", counted)
+    scheduler = CostScheduler(None, cache_profiles=False, clock=None)
+    prompt = [65, 211, 266, 241, 234, 10, 325, 168]
+    for measured, max_tokens in ((False, 160), (True, 16)):
+        forwards.clear(), chosen.clear()
+        steps = speculative_generate_step(
+            mx.array(prompt), model, drafter, max_tokens=max_tokens, scheduler=scheduler
+        )
+        first = next(steps)[0]
+        assert len(chosen) == measured and (measured or len(forwards) == 2)
+        ours = [first] + [t for t, _, _ in steps]
+        assert ours == plain_greedy(model, prompt, max_tokens)
+
+
 class ParksThenDrafts:
     """A pacing that parks its first ``parked`` rounds, then drafts all it may."""
 
@@ -677,6 +704,9 @@ class ParksThenDrafts:
 
     def rows(self, tokens, depth):
         return tokens
+
+    def measures(self, depth):
+        return False
 
     def update(self, verified, accepted):
         pass

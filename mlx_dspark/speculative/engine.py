@@ -307,10 +307,13 @@ def speculative_generate_step(
 
         try:
             # The first round too, before the prompt's token is read, as
-            # generate_step starts its second step before yielding its first.
+            # generate_step starts its second step before yielding its first;
+            # but not where choosing it would time verifies first: the
+            # prompt's token does not wait for a measurement.
             built = chosen = None
-            if max_tokens != 1:
-                built, chosen = ahead(anchor, context, target_cache[0].offset, 1)
+            start = target_cache[0].offset
+            if max_tokens != 1 and not pacing.measures(start):
+                built, chosen = ahead(anchor, context, start, 1)
             token = anchor.item()
             yielded.append(token)
             yield token, log_probs[0], False

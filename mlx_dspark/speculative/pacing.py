@@ -118,6 +118,11 @@ class Pacing:
         known = self.scheduler.profile(self.timer).known(depth, self.timer)
         return tokens if known is None else known.cheapest_rows(tokens)
 
+    def measures(self, depth: int) -> bool:
+        """Whether choosing a round at ``depth`` would time verifies first
+        (its costs there are not all measured yet)."""
+        return self.scheduler.profile(self.timer).measured(depth, self.timer) is None
+
     def update(self, verified: int, accepted: int) -> None:
         """The oldest round's verdict, read: its acceptance, and its time
         (a round chosen while the one before it ran, from that one's read:
@@ -181,6 +186,9 @@ class FixedPacing:
 
     def rows(self, tokens: int, depth: int) -> int:
         return tokens
+
+    def measures(self, depth: int) -> bool:
+        return False
 
     def update(self, verified: int, accepted: int) -> None:
         pass
