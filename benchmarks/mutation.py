@@ -626,6 +626,20 @@ MUTANTS = [
         ("tests/test_pacing.py", "-k", "waits_for_no_measurement"),
     ),
     Mutant(
+        "a generation's rounds chosen and never run count for the later ones",
+        SPEC + "engine.py",
+        "            pacing.abandon()\n",
+        "            pass\n",
+        ("tests/test_pacing.py", "-k", "never_run"),
+    ),
+    Mutant(
+        "an abandoned round takes back the counts of another generation's rounds",
+        SPEC + "pacing.py",
+        "        if self._counts and _counts(self.policy) == self._counts[-1][1]:\n",
+        "        if self._counts:\n",
+        ("tests/test_pacing.py", "-k", "abandoned_round"),
+    ),
+    Mutant(
         "a stream asked for the prompt's token alone builds a round after it",
         SPEC + "engine.py",
         "            if max_tokens != 1 and not pacing.measures(start):\n",

@@ -689,6 +689,52 @@ def test_the_prompts_token_waits_for_no_measurement(monkeypatch):
         assert ours == plain_greedy(model, prompt, max_tokens)
 
 
+def test_a_round_chosen_and_never_run_counts_for_no_later_generation():
+    """A parked stream's first round is chosen before the prompt's token is
+    read: a probe, as no round of the drafter's has drafted yet
+    (``probe_first``). Where that token stops the generation, the probe
+    never runs, and the drafter's next generation probes in its first round
+    all the same, not after ``REPROBE_EVERY`` parked ones."""
+    model, drafter = trained("gemma4", "dflash")
+    prompt = [65, 211, 266, 241, 234, 10, 325, 168]
+    first = plain_greedy(model, prompt, 1)[0]
+    scheduler = TableCostScheduler(None, 0.002, [0.010] + [0.018] * 15)
+    stopped = list(speculative_generate_step(
+        mx.array(prompt), model, drafter, max_tokens=40, stop_tokens=[first], scheduler=scheduler
+    ))
+    assert [t for t, _, _ in stopped] == [first]
+    [policy] = scheduler.paced_policies.values()
+    assert (policy.parked, policy.drafting, policy.deepest) == (0, 0, 0)
+    stats = SpeculativeStats(drafter.name, drafter.block_size)
+    ours = [t for t, _, _ in speculative_generate_step(
+        mx.array(prompt), model, drafter, max_tokens=30, stats=stats, scheduler=scheduler
+    )]
+    assert ours == plain_greedy(model, prompt, 30)
+    assert stats.history[0].proposed > 0
+
+
+def test_an_abandoned_round_leaves_the_counts_of_another_generations_rounds():
+    """Two generations advanced in turn on one thread share its policy: one
+    that ends with a round chosen and never run takes back only its own
+    choice's counts, and none once the other has chosen since."""
+    scheduler = TableCostScheduler(None, 0.0037, [ms / 1000 for ms in DSPARK_4BIT])
+    one = Pacing(scheduler, None, 7)
+    one.drafts(7, 2048)  # a probe: nothing drafted yet
+    one.update(7, 0)
+    one.drafts(7, 2048)  # parked, never run
+    policy = one.policy
+    assert (policy.parked, policy.drafting, policy.deepest) == (2, 0, 7)  # a parked policy's probe counts as parked
+    one.abandon()
+    assert (policy.parked, policy.drafting, policy.deepest) == (1, 0, 7)
+    one, other = Pacing(scheduler, None, 7), Pacing(scheduler, None, 7)
+    assert one.policy is other.policy
+    one.drafts(7, 2048)
+    other.drafts(7, 2048)
+    other.update(0, 0)
+    one.abandon()
+    assert (policy.parked, policy.drafting, policy.deepest) == (3, 0, 7)
+
+
 class ParksThenDrafts:
     """A pacing that parks its first ``parked`` rounds, then drafts all it may."""
 
@@ -709,6 +755,9 @@ class ParksThenDrafts:
         return False
 
     def update(self, verified, accepted):
+        pass
+
+    def abandon(self):
         pass
 
 

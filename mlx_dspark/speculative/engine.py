@@ -422,6 +422,7 @@ def speculative_generate_step(
                         break
                 anchor = tokens[accepted]
         finally:
+            pacing.abandon()
             if prompt_cache is not None:
                 take_in_parked_taps()
                 settle(first_position, yielded)

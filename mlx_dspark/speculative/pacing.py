@@ -75,6 +75,9 @@ class Pacing:
         self._began = deque()
         self._read = None
         self._overlapped = (0.0, 0)
+        # The policy's counts before and after each round chosen and not
+        # yet read (``abandon``).
+        self._counts = deque()
 
     def drafts(self, cap: int, depth: int) -> int:
         """A round's drafts; at a depth not measured yet, it measures the
@@ -84,6 +87,7 @@ class Pacing:
         it is read, at that read."""
         scheduler, timer = self.scheduler, self.timer
         self.policy.restart(self._chosen)
+        before = _counts(self.policy)
         profile = scheduler.profile(timer)
         timings = getattr(profile, "timings", 0)
         try:
@@ -95,6 +99,7 @@ class Pacing:
             drafts = self.policy.choose([self.acceptance.rates()], [cap], depth)
         finally:
             self.policy.costs = None
+        self._counts.append((before, _counts(self.policy)))
         if self.clock is None:
             return drafts
         if getattr(profile, "timings", 0) != timings:
@@ -127,6 +132,8 @@ class Pacing:
         """The oldest round's verdict, read: its acceptance, and its time
         (a round chosen while the one before it ran, from that one's read:
         the device did the two in turn)."""
+        if self._counts:
+            self._counts.popleft()
         if self._began:
             began, read = self._began.popleft(), self.clock()
             seconds = None
@@ -147,6 +154,18 @@ class Pacing:
         self.acceptance.update(verified, accepted)
         self.recent.update(verified, accepted)
 
+    def abandon(self) -> None:
+        """The generation ended with rounds chosen and never run (built
+        ahead of a token that stopped it, or of a caller that stopped
+        reading): the policy, which later generations keep, counts none of
+        them. (Counting one, a probe never run made a parked stream's next
+        generation skip its own first probe: ``BatchPolicy.probe_first``.)"""
+        # Unless the thread's other generations chose rounds since.
+        if self._counts and _counts(self.policy) == self._counts[-1][1]:
+            policy = self.policy
+            policy.parked, policy.drafting, policy.deepest = self._counts[0][0]
+        self._counts.clear()
+
     def expect(self, first: int, logits) -> None:
         """The round's drafts from position ``first`` on, whose confidences
         were ``logits[first:]``, were drafted and not verified, and every
@@ -155,6 +174,11 @@ class Pacing:
         rates = kept_rates(logits, getattr(self.scheduler, "temperatures", None))[first:]
         self.acceptance.expect(first, rates)
         self.recent.expect(first, rates)
+
+
+def _counts(policy: BatchPolicy) -> tuple:
+    """What a round chosen counts in ``policy`` for those after it."""
+    return policy.parked, policy.drafting, policy.deepest
 
 
 def _policy(policies: dict, key: tuple) -> BatchPolicy:
@@ -191,6 +215,9 @@ class FixedPacing:
         return False
 
     def update(self, verified: int, accepted: int) -> None:
+        pass
+
+    def abandon(self) -> None:
         pass
 
     def expect(self, first: int, logits) -> None:
