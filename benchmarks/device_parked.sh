@@ -16,12 +16,22 @@ debug() {  # run a benchmark with the policies' debug lines on stderr
     python3 -c "import logging, runpy, sys; logging.basicConfig(level=logging.DEBUG, format='%(asctime)s %(message)s'); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" "$@"
 }
 
-python3 sdpa_mask.py --context 2048 | tee "$OUT/sdpa-mask.json"
-python3 parked.py --target-bits 4 --drafter assistant --context 2048 --passes 3 \
-    --out "$OUT/parked-4bit-assistant.jsonl"
-debug paired.py --target-bits 4 --drafters assistant --taus 3.3 --schedulers cost fixed \
-    --pairs 3 --max-tokens 128 --out "$OUT/paired-4bit-assistant.jsonl" 2> "$OUT/paired-4bit-assistant.log"
-MLX_USE_CUDA_GRAPHS=0 debug batch.py --drafter assistant --shapes 12b --tau 3.3 --batch 1 4 8 \
-    --like-server --json "$OUT/batch-assistant.json" 2> "$OUT/batch-assistant.log"
+# Parts to run (all by default), one call each where one call's 600 s would not
+# hold both: `single` (the 4-bit assistant's stream) and `batch` (the batched
+# assistant), e.g. `bash device_parked.sh single`.
+parts=" ${*:-single batch} "
+
+if [[ $parts == *" single "* ]]; then
+    python3 sdpa_mask.py --context 2048 | tee "$OUT/sdpa-mask.json"
+    python3 parked.py --target-bits 4 --drafter assistant --context 2048 --passes 3 \
+        --out "$OUT/parked-4bit-assistant.jsonl"
+    debug paired.py --target-bits 4 --drafters assistant --taus 3.3 --schedulers cost fixed \
+        --pairs 3 --max-tokens 128 --out "$OUT/paired-4bit-assistant.jsonl" \
+        2> "$OUT/paired-4bit-assistant.log"
+fi
+if [[ $parts == *" batch "* ]]; then
+    MLX_USE_CUDA_GRAPHS=0 debug batch.py --drafter assistant --shapes 12b --tau 3.3 --batch 1 4 8 \
+        --like-server --json "$OUT/batch-assistant.json" 2> "$OUT/batch-assistant.log"
+fi
 mkdir -p "$OUT/verify-cost"
 find "$MLX_DSPARK_CACHE/verify-cost" -name '*.json' -exec cp {} "$OUT/verify-cost/" \; 2> /dev/null || true
