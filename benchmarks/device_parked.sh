@@ -22,10 +22,9 @@ debug() {  # run a benchmark with the policies' debug lines on stderr
 parts=" ${*:-single batch} "
 
 if [[ $parts == *" single "* ]]; then
-    python3 sdpa_mask.py --context 2048 | tee "$OUT/sdpa-mask.json"
     python3 parked.py --target-bits 4 --drafter assistant --context 2048 --passes 3 \
         --out "$OUT/parked-4bit-assistant.jsonl"
-    debug paired.py --target-bits 4 --drafters assistant --taus 3.3 --schedulers cost fixed \
+    debug paired.py --context 2048 --target-bits 4 --drafters assistant --taus 3.3 --schedulers cost fixed \
         --pairs 3 --max-tokens 128 --out "$OUT/paired-4bit-assistant.jsonl" \
         2> "$OUT/paired-4bit-assistant.log"
 fi

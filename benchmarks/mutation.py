@@ -533,9 +533,9 @@ MUTANTS = [
     ),
     Mutant(
         "borrowed sliding K/V one position too many",
-        "mlx_dspark/targets/gemma4.py",
-        "visible = (positions >= start) & (positions < end)",
-        "visible = (positions >= start) & (positions <= end)",
+        "mlx_dspark/cache.py",
+        "b = max(min(end, self._end) - self._start, a)",
+        "b = max(min(end + 1, self._end) - self._start, a)",
         ("tests/test_assistant.py", "-k", "every_round or clean"),
     ),
     # The assistant in a batch: each row its own view, position and seed.
@@ -560,14 +560,14 @@ MUTANTS = [
         "self.last = self.last",
         ("tests/test_batching.py", "-k", "assistant_row"),
     ),
-    # The rollback cache.
-    # One visibility rule for both rollback caches (the batch's included).
+    # The rollback caches.
+    # The batch's visibility rule.
     Mutant(
         "sliding-window mask one key too wide",
         "mlx_dspark/cache.py",
         "mask = mask & (keys > queries - window)",
         "mask = mask & (keys >= queries - window)",
-        ("tests/test_cache.py",),
+        ("tests/test_batching.py",),
     ),
     Mutant(
         "a RotatingKVCache counted as able to roll back",
@@ -584,25 +584,25 @@ MUTANTS = [
         ("tests/test_cache.py",),
     ),
     Mutant(
-        "a one-row mask shows a rolled-back or too-old slot",
+        "a forward's slice starts one position before its first query's window",
         "mlx_dspark/cache.py",
-        "return (shift >= self.max_rollback - 1)[None]",
-        "return (shift >= self.max_rollback - 2)[None]",
+        "return max(self._start, self.offset - self.window + 1)",
+        "return max(self._start, self.offset - self.window)",
         ("tests/test_cache.py",),
     ),
     Mutant(
-        "the one-row mask's shortcut taken before every slot is written",
+        "a compaction keeps one entry too few for a rollback",
         "mlx_dspark/cache.py",
-        "written = max(self._end, o + 1) >= self.capacity",
-        "written = self.slots == self.capacity",
+        "start = o + n - self.capacity",
+        "start = o + n - self.capacity + 1",
         ("tests/test_cache.py",),
     ),
     Mutant(
-        "the one-row mask's shortcut taken after a rollback deeper than max_rollback",
+        "a one-token forward is handed a mask it does not need",
         "mlx_dspark/cache.py",
-        "if N == 1 and written and self._end - o <= self.max_rollback:",
-        "if N == 1 and written:",
-        ("tests/test_cache.py", "-k", "deep_as_allowed"),
+        "if N == 1 and not return_array:",
+        "if N == 0 and not return_array:",
+        ("tests/test_cache.py", "-k", "launches"),
     ),
     Mutant(
         "a scheduler of one's own with a costs method is paced",

@@ -10,9 +10,6 @@ current token is read), and adds one piece of the engine's round at a time:
 
 - ``stock``: ``generate_step`` itself;
 - ``rollback caches``: the model's own forward on the target's rollback caches;
-- ``rollback caches, no mask``: the same with the sliding-window caches'
-  one-token mask left out (what that mask costs; its tokens are not the
-  model's);
 - ``tapped``: the target adapter's forward with the drafter's taps;
 - ``committed``: and the drafter taking in the taps;
 - ``engine``: ``speculative_generate_step`` with every round parked;
@@ -40,7 +37,6 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 import mlx_dspark
-from mlx_dspark.cache import SlidingWindowKVCache
 from mlx_dspark.speculative import engine
 from mlx_dspark.speculative.pacing import FixedPacing
 
@@ -146,18 +142,6 @@ def main():
 
         return pipelined(step, greedy(out.logits), args.max_tokens)
 
-    def unmasked():
-        make_mask = SlidingWindowKVCache.make_mask
-
-        def one_row_unmasked(self, N, *args, **kwargs):
-            return None if N == 1 else make_mask(self, N, *args, **kwargs)
-
-        SlidingWindowKVCache.make_mask = one_row_unmasked
-        try:
-            yield from on_caches(False, False)
-        finally:
-            SlidingWindowKVCache.make_mask = make_mask
-
     def parked():
         steps = mlx_dspark.speculative_generate_step(
             prompt, model, drafter, max_tokens=args.max_tokens, scheduler="fixed"
@@ -178,7 +162,6 @@ def main():
     variants = {
         "stock": stock,
         "rollback caches": lambda: on_caches(False, False),
-        "rollback caches, no mask": unmasked,
         "tapped": lambda: on_caches(True, False),
         "committed": lambda: on_caches(True, True),
         "engine": parked,

@@ -3,18 +3,14 @@
 mlx-lm's ``RotatingKVCache`` overwrites its oldest entries in place and stops
 being trimmable once it has wrapped, so after the first window of context a
 rejected draft stays in the cache and speculative decoding silently changes
-the output. ``SlidingWindowKVCache`` keeps ``window - 1 + max_rollback``
-entries in a ring, the token at position ``p`` in slot ``p mod capacity``,
-and builds its attention mask from the slots' positions. Positions are always
-written in order, so the slots hold exactly the positions
-``[end - capacity, end)``, ``end`` being the highest position ever written
-plus one. Rolling back only moves ``offset`` back: the entries it leaves
-behind have positions at or beyond ``offset``, so the causal mask hides them
-until they are overwritten by the same positions.
+the output. ``SlidingWindowKVCache`` keeps the ``window - 1 + max_rollback``
+newest entries in order and hands each forward the slice its queries attend
+to. Rolling back only moves ``offset`` back: the entries it leaves behind lie
+past every later forward's slice until the same positions overwrite them.
 """
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -62,8 +58,23 @@ def visible(keys: mx.array, queries: mx.array, window: Optional[int]) -> mx.arra
 class SlidingWindowKVCache(_BaseCache):
     """KV cache for a sliding-window attention layer, with bounded rollback.
 
-    The ring grows in steps of 256 slots up to its capacity, so short contexts
-    use little memory.
+    The buffer holds the positions ``[start, end)`` in order, position ``p``
+    at index ``p - start``, and keeps at least the ``window - 1 +
+    max_rollback`` newest. A forward of ``N`` tokens at offset ``o`` gets
+    the slice from position ``o - window + 1`` (or the oldest held) to ``o +
+    N``: a one-token forward gets exactly its window and needs no mask,
+    the same attention mlx-lm's ``RotatingKVCache`` gives it. (A ring needs
+    a mask to hide what it keeps for a rollback, an op per layer in every
+    token of a parked stream.) When a write would pass the buffer's end, the
+    newest entries are copied to its front: once per a quarter window of
+    tokens at most, for a quarter window's more memory.
+
+    Rolling back only moves ``offset`` back: the entries it leaves behind are
+    past every later query's slice until they are overwritten by the same
+    positions.
+
+    The buffer grows in steps of 256 slots, so short contexts use little
+    memory.
 
     Args:
         window: The layer's attention window: the query at position ``p`` sees
@@ -86,107 +97,121 @@ class SlidingWindowKVCache(_BaseCache):
         self.keys = None
         self.values = None
         self.offset = 0
+        self._start = 0  # the position at index 0
         self._end = 0  # highest position ever written, plus one
-        self._start = 0  # oldest position whose entry is still in the ring
+
+    @classmethod
+    def holding(cls, window: int, max_rollback: int, keys, values, end: int):
+        """A cache whose newest entries are ``keys`` and ``values``, the
+        positions up to ``end - 1`` in order, with its offset at ``end``."""
+        cache = cls(window, max_rollback)
+        kept = min(keys.shape[2], cache.capacity)
+        cache.keys, cache.values = keys[:, :, -kept:], values[:, :, -kept:]
+        cache.offset = cache._end = end
+        cache._start = end - kept
+        return cache
 
     @property
     def capacity(self) -> int:
+        """The entries always kept: a window for the oldest query of a
+        rollback's worth of tokens."""
         return self.window - 1 + self.max_rollback
+
+    @property
+    def limit(self) -> int:
+        """The most slots the buffer grows to."""
+        return self.capacity + min(self.step, max(1, self.window // 4))
 
     @property
     def slots(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def slot_positions(self, end: Optional[int] = None) -> mx.array:
-        """The position held by each slot (negative: never written), when the
-        highest position written is ``end - 1``."""
-        end = self._end if end is None else end
-        slot = mx.arange(self.slots if end <= self.slots else self._slots_for_end(end))
-        return end - 1 - ((end - 1 - slot) % self.capacity)
+    def slot_positions(self) -> mx.array:
+        """The position held by each slot (-1: never written)."""
+        positions = self._start + mx.arange(self.slots)
+        return mx.where(positions < self._end, positions, -1)
 
-    def _slots_for_end(self, end: int) -> int:
-        """Ring slots needed once positions up to ``end - 1`` are written.
-        Until the ring is full-size, every position written is below its size."""
-        if self.slots == self.capacity or end <= self.slots:
-            return self.slots
-        return min(self.capacity, -(-end // self.step) * self.step)
+    def held(self) -> Tuple[mx.array, mx.array, int]:
+        """Keys and values of the positions before the offset that a query
+        at it or a rollback may need (at most ``capacity``), oldest first,
+        and the first of those positions: slices of the buffer."""
+        first = max(self._start, self._end - self.capacity)
+        a, b = first - self._start, self.offset - self._start
+        return self.keys[:, :, a:b], self.values[:, :, a:b], first
 
-    def _grow(self, slots: int, like_keys: mx.array, like_values: mx.array) -> None:
-        extra = slots - self.slots
-        if extra == 0:
-            return
-        B, H, _, Dk = like_keys.shape
-        new_k = mx.zeros((B, H, extra, Dk), like_keys.dtype)
-        new_v = mx.zeros((B, H, extra, like_values.shape[3]), like_values.dtype)
-        if self.keys is None:
-            self.keys, self.values = new_k, new_v
-        else:
-            self.keys = mx.concatenate([self.keys, new_k], axis=2)
-            self.values = mx.concatenate([self.values, new_v], axis=2)
+    def entries(self, start: int, end: int) -> Tuple[mx.array, mx.array]:
+        """Keys and values of the positions in ``[start, end)`` the buffer
+        holds, entries past the offset that a rollback left included: the
+        slice a query at ``end - 1`` attends to."""
+        a = max(start, self._start) - self._start
+        b = max(min(end, self._end) - self._start, a)
+        return self.keys[:, :, a:b], self.values[:, :, a:b]
 
-    def _ring_write(self, ring: mx.array, new: mx.array) -> mx.array:
-        capacity, n = self.capacity, new.shape[2]
-        if n > capacity:
-            new = new[:, :, n - capacity :]
-        first = (self.offset + n - new.shape[2]) % capacity
-        head = min(new.shape[2], capacity - first)
-        ring[:, :, first : first + head] = new[:, :, :head]
-        if head < new.shape[2]:
-            ring[:, :, : new.shape[2] - head] = new[:, :, head:]
-        return ring
+    def _first_seen(self) -> int:
+        """The oldest position the next forward's first query attends to."""
+        return max(self._start, self.offset - self.window + 1)
 
     def _in_place(self, n: int) -> bool:
         return n <= self.max_rollback
+
+    def _make_room(self, n: int, like_keys: mx.array, like_values: mx.array) -> None:
+        """Slots for ``n`` tokens at the offset: the buffer grown, or its
+        newest ``capacity - n`` entries moved to the front (the rest, and
+        entries a rollback left past the offset, are no longer needed)."""
+        o, start = self.offset, self._start
+        need = o + n - start
+        if need <= self.slots:
+            return
+        B, H, _, Dk = like_keys.shape
+        if need > self.limit:
+            start = o + n - self.capacity
+            a, b = start - self._start, o - self._start
+            keys, values = self.keys[:, :, a:b], self.values[:, :, a:b]
+            self._start, self._end = start, o
+            slots = self.limit
+        else:
+            keys, values = self.keys, self.values
+            slots = min(self.limit, -(-need // self.step) * self.step)
+        extra = slots - (0 if keys is None else keys.shape[2])
+        new_k = mx.zeros((B, H, extra, Dk), like_keys.dtype)
+        new_v = mx.zeros((B, H, extra, like_values.shape[3]), like_values.dtype)
+        if keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([keys, new_k], axis=2)
+            self.values = mx.concatenate([values, new_v], axis=2)
 
     def make_mask(
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
     ):
         check_window(self.window, window_size)
-        o = self.offset
-        if o == 0 and not self._in_place(N):
-            return create_causal_mask(N, 0, window_size=self.window)
-        written = max(self._end, o + 1) >= self.capacity
-        if N == 1 and written and self._end - o <= self.max_rollback:
-            # Every slot written, and at most ``max_rollback - 1`` positions
-            # rolled back (a deeper trim is allowed while nothing has left
-            # the ring): the one query sees all but the ``max_rollback - 1``
-            # slots after its own (positions too old, or rolled back). A
-            # third of the ops of the general mask, in every round of a
-            # parked stream.
-            shift = mx.remainder(mx.arange(self.capacity) - (o + 1), self.capacity)
-            return (shift >= self.max_rollback - 1)[None]
-        if self._in_place(N):
-            # The ring after the write (stale slots, at or past o + N, are
-            # in the causal future of every query).
-            positions = self.slot_positions(max(self._end, o + N))
-        else:
-            # The ring before the write, without its stale slots, then the
-            # new tokens.
-            ring = self.slot_positions()
-            positions = mx.concatenate(
-                [mx.where(ring < o, ring, -1), mx.arange(o, o + N)]
-            )
-        return visible(positions[None], mx.arange(o, o + N)[:, None], self.window)
+        if N == 1 and not return_array:
+            return None
+        return create_causal_mask(
+            N, self.offset - self._first_seen(), window_size=self.window
+        )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        n = keys.shape[2]
-        o = self.offset
-        if self._in_place(n):
-            fetched = None
-        elif o == 0:
-            fetched = (keys, values)
-        else:
-            fetched = (
-                mx.concatenate([self.keys, keys], axis=2),
-                mx.concatenate([self.values, values], axis=2),
+        n, o = keys.shape[2], self.offset
+        first = self._first_seen()
+        if not self._in_place(n):
+            if self.keys is not None and o > first:
+                seen_k, seen_v = self.entries(first, o)
+                keys = mx.concatenate([seen_k, keys], axis=2)
+                values = mx.concatenate([seen_v, values], axis=2)
+            held = SlidingWindowKVCache.holding(
+                self.window, self.max_rollback, keys, values, o + n
             )
-        self._grow(self._slots_for_end(o + n), keys, values)
-        self.keys = self._ring_write(self.keys, keys)
-        self.values = self._ring_write(self.values, values)
-        self._start = max(self._start, o + n - self.capacity)
+            self.keys, self.values, self._start = held.keys, held.values, held._start
+            self.offset = self._end = o + n
+            return keys, values
+        self._make_room(n, keys, values)
+        i = o - self._start
+        self.keys[:, :, i : i + n] = keys
+        self.values[:, :, i : i + n] = values
         self._end = max(self._end, o + n)
         self.offset += n
-        return fetched or (self.keys, self.values)
+        return self.entries(first, o + n)
 
     def rollback_depth(self) -> int:
         return self.max_rollback

@@ -185,10 +185,15 @@ def test_the_clean_view_is_the_targets_own_window_at_the_anchor():
     def recording(state, target, target_cache):
         result = kv(state, target, target_cache)
         keys, _, visible = result["sliding_attention"]
+        assert visible is None  # a slice of exactly the positions viewed
         sliding = target_cache[target.kv_donors()["sliding_attention"]]
-        positions = np.array(sliding.slot_positions())[: keys.shape[2]]
+        held, positions = np.array(sliding.keys[0, 0]), np.array(sliding.slot_positions())
+        viewed = [
+            positions[np.flatnonzero((held == row).all(axis=1))[0]]
+            for row in np.array(keys[0, 0])
+        ]
         full = result["full_attention"][0].shape[2]
-        views.append((state.offset, sorted(positions[np.array(visible[0])]), full))
+        views.append((state.offset, viewed, full))
         return result
 
     drafter._kv = recording

@@ -3,6 +3,7 @@
 import math
 import re
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from mlx_dspark.batching.cache import BatchRollbackKVCache, _live_entries
 from mlx_dspark.cache import SlidingWindowKVCache, rollback_depth, rollback_limit
@@ -74,8 +75,9 @@ def test_rollback_equals_never_having_seen_the_dropped_tokens(case):
         cache.trim(k - j)
         kept_k, kept_v = ref_k[:, :, : offset + j], ref_v[:, :, : offset + j]
         assert cache.offset == kept_k.shape[2]
-        # Memory is bounded by the window plus the rollback depth.
-        assert cache.keys.shape[2] <= window - 1 + max_rollback
+        # Memory is bounded by the window plus the rollback depth, and a
+        # quarter window of room.
+        assert cache.keys.shape[2] <= cache.limit <= window - 1 + max_rollback + max(1, window // 4)
 
 
 @settings(
@@ -202,11 +204,11 @@ def test_one_rollback_contract_for_every_cache_kind():
     assert rollback_depth(BatchRollbackKVCache(None, 3)) == math.inf
 
 
-def primitive_names(*arrays) -> set:
+def primitive_counts(*arrays) -> Counter:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "graph.dot"
         mx.export_to_dot(str(path), *arrays)
-        return set(re.findall(r'label ="([^"]+)"', path.read_text()))
+        return Counter(re.findall(r'label ="([^"]+)"', path.read_text()))
 
 
 @pytest.mark.parametrize("written", [6, 13, 40])  # not yet wrapped, wrapped, long past
@@ -222,7 +224,7 @@ def test_a_rings_live_entries_are_slices_in_position_order(written):
     ring.trim(2)
     mx.eval(ring.state[:2])
     k, v, positions = _live_entries(ring)
-    assert not primitive_names(k, v, positions) & {"Gather", "ArgSort"}
+    assert not set(primitive_counts(k, v, positions)) & {"Gather", "ArgSort"}
     expected = list(range(max(0, written - ring.capacity), written - 2))
     assert positions.tolist() == expected
     assert k.reshape(-1).tolist() == v.reshape(-1).tolist() == expected
@@ -243,3 +245,26 @@ def test_batch_buffers_grow_to_multiples_of_the_step(monkeypatch):
         widths.append(batch.keys.shape[2])
         assert batch.positions.shape[1] == widths[-1]
     assert widths == [16, 16, 16, 24, 32]  # grown twice, to the next multiple each time
+
+
+def test_a_one_token_forward_past_the_window_launches_what_mlx_lms_does():
+    """A parked round's forward on the rollback caches, past the window, puts
+    the kernels of mlx-lm's own step on its ``RotatingKVCache`` in the graph
+    and no more: each sliding layer attends to a slice of exactly its window,
+    with no mask to build or apply (a slice is a view, and launches nothing).
+    The token is one that neither grows the buffer nor compacts it (once a
+    quarter window)."""
+    model = tiny_gemma4(seed=0, window=16)
+    target = find_target_adapter(model).adapt(model)
+    ours, stock = target.make_cache(4), make_prompt_cache(model)
+    for cache in (ours, stock):
+        mx.eval(model(mx.arange(5, 35)[None], cache=cache))
+        for token in (40, 41):
+            mx.eval(model(mx.array([[token]]), cache=cache))
+    slots = [c.slots for c in ours if isinstance(c, SlidingWindowKVCache)]
+    graphs = [
+        primitive_counts(model(mx.array([[42]]), cache=cache)) for cache in (ours, stock)
+    ]
+    assert [c.slots for c in ours if isinstance(c, SlidingWindowKVCache)] == slots
+    assert graphs[0] - graphs[1] == Counter({"Slice": 2 * len(slots)})
+    assert not graphs[1] - graphs[0]

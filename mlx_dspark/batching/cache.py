@@ -95,26 +95,21 @@ class BatchRollbackKVCache(_BaseCache):
         count = end - self.firsts[idx]
         if self.window is None and count != end:
             raise RuntimeError("A full-attention row lost part of its history.")
-        if self.window is None:
-            cache = KVCache()
-        else:
-            cache = SlidingWindowKVCache(self.window, self.max_rollback)
         if count == 0:
-            return cache
+            if self.window is None:
+                return KVCache()
+            return SlidingWindowKVCache(self.window, self.max_rollback)
         live = self.positions[idx, : self._idx]
         order = mx.argsort(mx.where(live < end, live, -1))[self._idx - count :]
         keys = mx.take(self.keys[idx : idx + 1], order, axis=2)
         values = mx.take(self.values[idx : idx + 1], order, axis=2)
         if self.window is None:
+            cache = KVCache()
             cache.update_and_fetch(keys, values)
             return cache
-        cache.offset = cache._start = cache._end = end - count
-        cache._grow(cache._slots_for_end(end), keys, values)
-        cache.keys = cache._ring_write(cache.keys, keys)
-        cache.values = cache._ring_write(cache.values, values)
-        cache.offset = cache._end = end
-        cache._start = max(end - count, end - cache.capacity)
-        return cache
+        return SlidingWindowKVCache.holding(
+            self.window, self.max_rollback, keys, values, end
+        )
 
     # -- the cache protocol --------------------------------------------
 
@@ -332,22 +327,8 @@ def _live_entries(cache):
     if cache.keys is None or offset == 0:
         return None
     if isinstance(cache, SlidingWindowKVCache):
-        # Position p sits in slot p mod capacity, and the ring holds
-        # [_start, offset) (and stale positions beyond): one or two slices,
-        # found on the host (a gather would add dozens of primitives per
-        # layer to the prefill that merges this cache).
-        first = cache._start % cache.capacity
-        count = offset - cache._start
-        head = min(count, cache.capacity - first)
-
-        def ordered(ring):
-            part = ring[:, :, first : first + head]
-            if head == count:
-                return part
-            return mx.concatenate([part, ring[:, :, : count - head]], axis=2)
-
-        positions = mx.arange(cache._start, offset, dtype=mx.int32)
-        return ordered(cache.keys), ordered(cache.values), positions
+        keys, values, first = cache.held()
+        return keys, values, mx.arange(first, offset, dtype=mx.int32)
     return (
         cache.keys[:, :, :offset],
         cache.values[:, :, :offset],

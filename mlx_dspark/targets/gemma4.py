@@ -62,9 +62,7 @@ class Gemma4Target:
                 "make the prompt cache with "
                 "mlx_dspark.make_prompt_cache(model, drafter)."
             )
-        positions = donor.slot_positions()
-        visible = (positions >= start) & (positions < end)
-        return donor.keys, donor.values, visible[None]
+        return (*donor.entries(start, end), None)
 
     def make_cache(self, max_rollback: int) -> list:
         args = self.text.args
