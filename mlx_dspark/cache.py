@@ -66,8 +66,9 @@ class SlidingWindowKVCache(_BaseCache):
     the same attention mlx-lm's ``RotatingKVCache`` gives it. (A ring needs
     a mask to hide what it keeps for a rollback, an op per layer in every
     token of a parked stream.) When a write would pass the buffer's end, the
-    newest entries are copied to its front: once per a quarter window of
-    tokens at most, for a quarter window's more memory.
+    newest entries are copied to its front: at most once per a quarter window
+    of tokens (256 at most, a rollback's worth at least), which is the
+    buffer's room past what it must keep.
 
     Rolling back only moves ``offset`` back: the entries it leaves behind are
     past every later query's slice until they are overwritten by the same
@@ -105,11 +106,18 @@ class SlidingWindowKVCache(_BaseCache):
         """A cache whose newest entries are ``keys`` and ``values``, the
         positions up to ``end - 1`` in order, with its offset at ``end``."""
         cache = cls(window, max_rollback)
-        kept = min(keys.shape[2], cache.capacity)
-        cache.keys, cache.values = keys[:, :, -kept:], values[:, :, -kept:]
-        cache.offset = cache._end = end
-        cache._start = end - kept
+        cache._keep(keys, values, end)
         return cache
+
+    def _keep(self, keys: mx.array, values: mx.array, end: int) -> None:
+        """Hold the newest ``capacity`` of ``keys`` and ``values``, the
+        positions up to ``end - 1``, copied into a buffer of their own (the
+        slices would keep all of ``keys`` alive), with room for a write."""
+        kept = min(keys.shape[2], self.capacity)
+        self.keys, self.values = keys[:, :, -kept:], values[:, :, -kept:]
+        self.offset = self._end = end
+        self._start = end - kept
+        self._make_room(1, keys, values)
 
     @property
     def capacity(self) -> int:
@@ -119,8 +127,9 @@ class SlidingWindowKVCache(_BaseCache):
 
     @property
     def limit(self) -> int:
-        """The most slots the buffer grows to."""
-        return self.capacity + min(self.step, max(1, self.window // 4))
+        """The most slots the buffer grows to: room past the capacity for a
+        quarter window of tokens (256 at most), or a rollback's worth."""
+        return self.capacity + max(self.max_rollback, min(self.step, self.window // 4))
 
     @property
     def slots(self) -> int:
@@ -134,8 +143,12 @@ class SlidingWindowKVCache(_BaseCache):
     def held(self) -> Tuple[mx.array, mx.array, int]:
         """Keys and values of the positions before the offset that a query
         at it or a rollback may need (at most ``capacity``), oldest first,
-        and the first of those positions: slices of the buffer."""
-        first = max(self._start, self._end - self.capacity)
+        and the first of those positions: slices of the buffer. The window
+        before the offset is always among them, however deep a trim went."""
+        first = max(
+            self._start,
+            min(self._end - self.capacity, self.offset - self.window + 1),
+        )
         a, b = first - self._start, self.offset - self._start
         return self.keys[:, :, a:b], self.values[:, :, a:b], first
 
@@ -199,11 +212,7 @@ class SlidingWindowKVCache(_BaseCache):
                 seen_k, seen_v = self.entries(first, o)
                 keys = mx.concatenate([seen_k, keys], axis=2)
                 values = mx.concatenate([seen_v, values], axis=2)
-            held = SlidingWindowKVCache.holding(
-                self.window, self.max_rollback, keys, values, o + n
-            )
-            self.keys, self.values, self._start = held.keys, held.values, held._start
-            self.offset = self._end = o + n
+            self._keep(keys, values, o + n)
             return keys, values
         self._make_room(n, keys, values)
         i = o - self._start
@@ -220,7 +229,7 @@ class SlidingWindowKVCache(_BaseCache):
         """How many of the newest tokens can be trimmed right now."""
         if self._start == 0:
             return self.offset
-        return self.offset - (self.window - 1) - self._start
+        return max(0, self.offset - (self.window - 1) - self._start)
 
     def is_trimmable(self) -> bool:
         return True

@@ -75,9 +75,53 @@ def test_rollback_equals_never_having_seen_the_dropped_tokens(case):
         cache.trim(k - j)
         kept_k, kept_v = ref_k[:, :, : offset + j], ref_v[:, :, : offset + j]
         assert cache.offset == kept_k.shape[2]
-        # Memory is bounded by the window plus the rollback depth, and a
-        # quarter window of room.
-        assert cache.keys.shape[2] <= cache.limit <= window - 1 + max_rollback + max(1, window // 4)
+        # Memory is bounded by the window plus the rollback depth, and room
+        # for a quarter window or a rollback's worth of writes.
+        bound = window - 1 + max_rollback + max(max_rollback, window // 4)
+        assert cache.keys.shape[2] <= cache.limit <= bound
+
+
+@settings(
+    max_examples=300 if settings().max_examples < 300 else settings().max_examples
+)
+@given(histories(), st.floats(0, 1))
+def test_a_cache_trimmed_as_deep_as_allowed_joins_a_batch_with_its_whole_window(
+    case, depth
+):
+    """A server's prompt cache trimmed to a shared prefix, as deep as
+    ``rollback_limit`` allows, then merged into a speculative batch: the
+    batch's next query, and the next one of the row taken back out of it,
+    attend exactly as over the kept tokens alone."""
+    window, max_rollback, growth, steps, seed = case
+    mx.random.seed(seed)
+    cache = SlidingWindowKVCache(window, max_rollback)
+    cache.step = growth
+    kept_k = kept_v = mx.zeros((1, H, 0, D))
+    for k, j in steps:
+        new_k, new_v = (mx.random.normal((1, H, k, D)) for _ in range(2))
+        cache.update_and_fetch(new_k, new_v)
+        cache.trim(k - j)
+        kept_k = mx.concatenate([kept_k, new_k[:, :, :j]], axis=2)
+        kept_v = mx.concatenate([kept_v, new_v[:, :, :j]], axis=2)
+    dropped = round(depth * rollback_limit(cache))
+    cache.trim(dropped)
+    kept_k, kept_v = kept_k[:, :, : cache.offset], kept_v[:, :, : cache.offset]
+    batch = BatchRollbackKVCache.merge([cache], window, max_rollback)
+    single = None
+    for _ in range(2):
+        new_k, new_v, q = (mx.random.normal((1, H, 1, D)) for _ in range(3))
+        offset = kept_k.shape[2]
+        if single is None:
+            mask = batch.make_mask(1, window_size=window)
+            ours = attend(q, *batch.update_and_fetch(new_k, new_v), mask)
+        else:
+            mask = single.make_mask(1, window_size=window)
+            ours = attend(q, *single.update_and_fetch(new_k, new_v), mask)
+        kept_k = mx.concatenate([kept_k, new_k], axis=2)
+        kept_v = mx.concatenate([kept_v, new_v], axis=2)
+        expected = attend(q, kept_k, kept_v, create_causal_mask(1, offset, window_size=window))
+        np.testing.assert_allclose(np.array(ours), np.array(expected), atol=1e-5)
+        single = batch.extract(0)
 
 
 @settings(
