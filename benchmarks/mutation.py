@@ -579,8 +579,8 @@ MUTANTS = [
     Mutant(
         "rollback allowed one token past the kept history",
         "mlx_dspark/cache.py",
-        "return self.offset - (self.window - 1) - self._start",
-        "return self.offset - (self.window - 2) - self._start",
+        "return max(0, self.offset - (self.window - 1) - self._start)",
+        "return max(0, self.offset - (self.window - 2) - self._start)",
         ("tests/test_cache.py",),
     ),
     Mutant(
@@ -595,6 +595,20 @@ MUTANTS = [
         "mlx_dspark/cache.py",
         "start = o + n - self.capacity",
         "start = o + n - self.capacity + 1",
+        ("tests/test_cache.py",),
+    ),
+    Mutant(
+        "a cache trimmed deeper than the ring allowed joins a batch without its whole window",
+        "mlx_dspark/cache.py",
+        "min(self._end - self.capacity, self.offset - self.window + 1),",
+        "self._end - self.capacity,",
+        ("tests/test_cache.py", "-k", "joins_a_batch"),
+    ),
+    Mutant(
+        "a prompt chunk's entries stay slices of its concatenation",
+        "mlx_dspark/cache.py",
+        "        self._make_room(1, keys, values)\n",
+        "",
         ("tests/test_cache.py",),
     ),
     Mutant(

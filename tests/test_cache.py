@@ -1,5 +1,6 @@
 """Rollback of the target's caches at any context length."""
 
+import gc
 import math
 import re
 import tempfile
@@ -161,6 +162,21 @@ def test_one_row_queries_after_a_rollback_as_deep_as_allowed(
         kept_v = mx.concatenate([kept_v, new_v], axis=2)
         expected = attend(q, kept_k, kept_v, create_causal_mask(1, offset, window_size=window))
         np.testing.assert_allclose(np.array(ours), np.array(expected), atol=1e-5)
+
+
+def test_a_prompt_chunk_leaves_in_use_only_what_the_cache_holds():
+    """A chunk's forward gets the window before it and the chunk, one
+    concatenation; the cache keeps the newest entries copied into a buffer
+    of its own, so once the forward's outputs are gone the whole chunk is
+    freed (slices of it would keep it all alive)."""
+    before = mx.get_active_memory()
+    cache = SlidingWindowKVCache(window=64, max_rollback=4)
+    chunk = mx.random.normal((1, H, 4096, D))
+    fetched = cache.update_and_fetch(chunk, chunk)
+    mx.eval(fetched, cache.keys, cache.values)
+    del fetched, chunk
+    gc.collect()
+    assert mx.get_active_memory() - before <= cache.nbytes + 1024
 
 
 def test_rolling_back_further_than_kept_history_is_refused():
