@@ -174,9 +174,11 @@ def test_a_prompt_chunk_leaves_in_use_only_what_the_cache_holds():
     chunk = mx.random.normal((1, H, 4096, D))
     fetched = cache.update_and_fetch(chunk, chunk)
     mx.eval(fetched, cache.keys, cache.values)
+    chunk_bytes = sum(x.nbytes for x in fetched)  # 512 KiB
     del fetched, chunk
     gc.collect()
-    assert mx.get_active_memory() - before <= cache.nbytes + 1024
+    # Slack for whatever else the process allocates meanwhile (a few KiB).
+    assert mx.get_active_memory() - before < cache.nbytes + chunk_bytes // 8
 
 
 def test_rolling_back_further_than_kept_history_is_refused():
