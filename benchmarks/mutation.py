@@ -487,6 +487,20 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "overhead_is_added"),
     ),
     Mutant(
+        "a batch near its depth bucket's end takes up the bucket's measurement",
+        "mlx_dspark/batching/generator.py",
+        "        if ahead is not None:\n            return ahead\n",
+        "",
+        ("tests/test_batching.py", "-k", "buckets_end"),
+    ),
+    Mutant(
+        "a batch near its depth bucket's end goes on measuring it after each round",
+        "mlx_dspark/batching/generator.py",
+        "        if batch not in measured and self._next_buckets(batch, depth) is not None:\n            return\n",
+        "",
+        ("tests/test_batching.py", "-k", "buckets_end"),
+    ),
+    Mutant(
         "rows joining leave no room for the next round's write (a second copy)",
         "mlx_dspark/batching/cache.py",
         "capacity = _rounded_up(width + self.max_rollback + 1, self.step)",

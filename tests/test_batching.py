@@ -41,7 +41,7 @@ from mlx_dspark.batching.policy import (
 )
 from mlx_dspark.cache import SlidingWindowKVCache
 from mlx_dspark.confidence.calibration import Calibration
-from mlx_dspark.confidence.costs import REPEATS, RoundCosts, RoundTimer
+from mlx_dspark.confidence.costs import NEAR_BUCKET_END, REPEATS, RoundCosts, RoundTimer
 from mlx_dspark.integration.batch import ServerBatchGenerator
 from mlx_dspark.speculative.sampling import make_sampler, mlx_lm_make_sampler
 from mlx_dspark.speculative.stats import Round, SpeculativeStats
@@ -590,7 +590,7 @@ def test_the_cost_policy_measures_a_few_verify_lengths_a_round(monkeypatch, tmp_
             assert e[1] < covered
 
 
-def measured_on_fixed_costs(monkeypatch, tmp_path):
+def measured_on_fixed_costs(monkeypatch, tmp_path, prompt_length=3):
     """A generator with four sequences generating, whose cost timings
     return fixed costs instead of timing (so nothing depends on this
     machine's speed); the costs, and a list of ``(batch size, verify
@@ -607,7 +607,8 @@ def measured_on_fixed_costs(monkeypatch, tmp_path):
         return RoundCosts(full.draft if draft else 0.0, [full.verify[n - 1] for n in tokens])
 
     monkeypatch.setattr(RoundTimer, "__call__", fake_measurement)
-    generator.insert([[5 + i, 6, 7] for i in range(4)], max_tokens=[8] * 4)
+    prompts = [[5 + i, 6, 7] + [8] * (prompt_length - 3) for i in range(4)]
+    generator.insert(prompts, max_tokens=[8] * 4)
     while len(generator._generation) < 4:
         generator.next()
     return generator, full, timed
@@ -636,6 +637,28 @@ def test_a_batch_size_being_measured_borrows_the_complete_sizes_costs(monkeypatc
     generator._measure_after_round()
     assert timed == [(2, [1, 2])]  # size 2's measurement starts after a round of 2
     assert generator.measured_costs(2, depth) == full  # size 4's stand in meanwhile
+
+
+def test_a_batch_near_its_depth_buckets_end_takes_the_next_buckets_costs(monkeypatch, tmp_path):
+    """Requests whose prompts end just below a depth bucket's end (512
+    tokens) leave the bucket after a round or two. The first such batch
+    starts a measurement there that the later ones would take up after
+    each round and never finish, drafting no further than its two lengths
+    measured (each batch's first round parked on an H100). Near the end, the
+    next bucket's costs of the same size stand in once measured, and
+    nothing more is timed in this bucket; further from the end, its own."""
+    generator, full, timed = measured_on_fixed_costs(monkeypatch, tmp_path, prompt_length=500)
+    depth = max(len(s.tokens) for s in generator._generation.sequences)
+    assert 512 - NEAR_BUCKET_END < depth <= 512
+    assert len(generator.measured_costs(4, depth).verify) == 2  # nothing known: a part, here
+    timer, profile = generator._profile()
+    for _ in range(3 * REPEATS):
+        profile.costs(600, timer, 4, most=2)  # the next bucket's, measured in full
+    timed.clear()
+    assert generator.measured_costs(4, depth) == full
+    generator._measure_after_round()
+    assert timed == []
+    assert len(generator.measured_costs(4, 512 - NEAR_BUCKET_END).verify) == 2
 
 
 def test_a_batch_that_left_the_size_being_measured_measures_its_own(monkeypatch, tmp_path):

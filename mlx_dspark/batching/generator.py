@@ -50,6 +50,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from ..confidence.calibration import kept_rates, survival
 from ..confidence.costs import (
+    NEAR_BUCKET_END,
     VERIFIES_MEASURED_PER_ROUND,
     CostProfile,
     RoundCosts,
@@ -701,17 +702,32 @@ class SpeculativeBatchGenerator:
         verifies at the end of each (``_measure_after_round``); meanwhile
         the sizes measured stand in, or, with none, the parts measured so
         far. Only a depth with nothing known at all is measured here, as a
-        round is chosen."""
+        round is chosen. Near the end of a depth bucket that lacks the size,
+        the next bucket's costs of it stand in (``_next_buckets``)."""
         timer, profile = self._profile()
         measured = profile.measured_batches(depth, timer.verify_rows)
         if batch in measured:
             return measured[batch]
+        ahead = self._next_buckets(batch, depth)
+        if ahead is not None:
+            return ahead
         under_way = profile.partial_batches(depth)
         if not (measured or under_way):
             return self._measure(batch, depth)  # a part: the policy verifies no more than it covers
         # Parts of measurements stand in only while nothing is complete;
         # they cover the lengths all of them have measured.
         return interpolate(measured or under_way, batch)
+
+    def _next_buckets(self, batch: int, depth: int) -> Optional[RoundCosts]:
+        """``batch``'s costs in the next depth bucket, where ``depth`` is near
+        the end of its own (``NEAR_BUCKET_END``) and they are measured: the
+        batch soon leaves the bucket, whose measurement it would take up
+        after each round and never finish. (On an H100, every batch of
+        requests with 512-token prompts drafted nothing in its first round:
+        its bucket had the first two lengths measured, from the first such
+        batch's first round, and no more.)"""
+        timer, profile = self._profile()
+        return profile.measured_batches(depth + NEAR_BUCKET_END, timer.verify_rows).get(batch)
 
     def profiled_costs(self, batch: int, depth: int) -> Optional[RoundCosts]:
         """The costs of rounds of ``batch`` sequences at ``depth`` as the
@@ -772,6 +788,8 @@ class SpeculativeBatchGenerator:
         # While no size is complete, the parts under way cap the drafts: a
         # batch that left the size being measured measures its own.
         starts = batch & (batch - 1) == 0 or not measured
+        if batch not in measured and self._next_buckets(batch, depth) is not None:
+            return
         if batch in under_way or (batch not in measured and starts):
             self._measure(batch, depth)
             if self._in_flight is not None:

@@ -85,8 +85,9 @@ VERIFIES_MEASURED_PER_ROUND = 2
 # each 4-bit 12B generation from a 2048-token prompt spent its first round,
 # the only one at depth 2048, measuring two more verify lengths of that
 # bucket (170-250 ms, 15% of a 128-token generation parked in every round).
-# A batch generator's entries are left alone: it reads which batch sizes are
-# measured bucket by bucket (``measured_batches``).
+# A batch generator's entries are left alone here: it reads which batch sizes
+# are measured bucket by bucket (``measured_batches``), and applies the same
+# rule to each size itself (``SpeculativeBatchGenerator._next_buckets``).
 NEAR_BUCKET_END = 64
 
 
