@@ -2461,13 +2461,17 @@ def test_a_pipelined_round_the_prompts_waited_for_is_not_timed_for_the_policy(mo
     ]
 
 
-def test_the_generator_reports_each_rounds_time_to_the_policy():
+def test_the_generator_reports_each_rounds_time_to_the_policy(monkeypatch):
     """Every round read is reported once, in the order chosen, pipelined or
     not: the policy learns from realised times, all but those of the first
     round (it copied the joining row's caches), the last (it handed them
     back) and, pipelined, one after the caches were packed, which are
-    reported as ``None``."""
+    reported as ``None``. (An injected clock: reading a round takes 10 ms,
+    and the caller is never away, which on a loaded machine it was: a
+    round then counted as read after the server was away.)"""
     model, drafter = trained("gemma4")
+    clock = [0.0]
+    monkeypatch.setattr(generator_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
 
     class Recording(FixedPolicy):
         def __init__(self):
@@ -2483,6 +2487,9 @@ def test_the_generator_reports_each_rounds_time_to_the_policy():
     for pipeline in (False, True):
         policy = Recording()
         generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=pipeline)
+        collect = generator._collect
+        monkeypatch.setattr(generator, "_collect", lambda launched, reuse, collect=collect: (
+            clock.__setitem__(0, clock[0] + 0.010), collect(launched, reuse))[1])
         stats = SpeculativeStats(drafter.name, drafter.block_size)
         run(generator, [(0, [5, 6, 7, 8, 9], dict(max_tokens=[40], stats=[stats]))])
         assert len(policy.observed) == len(policy.chosen) == len(stats.history)
