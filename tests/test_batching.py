@@ -767,6 +767,20 @@ def test_finished_rows_ride_along_until_they_cost_what_taking_them_out_costs(mon
         assert list(generator._copies) == [3.0, 3.0]
 
 
+def clock_reading_rounds_in(monkeypatch, generator, seconds: float = 0.010) -> list:
+    """An injected clock for ``generator``, standing still but for
+    ``seconds`` each round read, so that which rounds are timed does not
+    depend on the machine's load (a caller slowed between two reads makes
+    a pipelined round one read after the server was away); ``[now]``, for
+    a test to move."""
+    clock = [0.0]
+    monkeypatch.setattr(generator_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    collect = generator._collect
+    monkeypatch.setattr(generator, "_collect", lambda launched, reuse: (
+        clock.__setitem__(0, clock[0] + seconds), collect(launched, reuse))[1])
+    return clock
+
+
 @pytest.mark.parametrize("pipeline", [False, True], ids=["one-by-one", "pipelined"])
 def test_a_parked_batchs_drafter_takes_its_rounds_in_at_once(monkeypatch, pipeline):
     """Rounds without drafts keep the target's taps for the drafter, which
@@ -801,6 +815,7 @@ def test_a_parked_batchs_drafter_takes_its_rounds_in_at_once(monkeypatch, pipeli
 
     policy = ParkedThenDrafting()
     generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=pipeline)
+    clock_reading_rounds_in(monkeypatch, generator)
     prompts = [[5, 6, 7, 8, 9], [10, 20, 30]]
     uids = generator.insert(prompts, max_tokens=[40, 40])
     tokens = {uid: [] for uid in uids}
@@ -2470,8 +2485,6 @@ def test_the_generator_reports_each_rounds_time_to_the_policy(monkeypatch):
     and the caller is never away, which on a loaded machine it was: a
     round then counted as read after the server was away.)"""
     model, drafter = trained("gemma4")
-    clock = [0.0]
-    monkeypatch.setattr(generator_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
 
     class Recording(FixedPolicy):
         def __init__(self):
@@ -2487,9 +2500,7 @@ def test_the_generator_reports_each_rounds_time_to_the_policy(monkeypatch):
     for pipeline in (False, True):
         policy = Recording()
         generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=pipeline)
-        collect = generator._collect
-        monkeypatch.setattr(generator, "_collect", lambda launched, reuse, collect=collect: (
-            clock.__setitem__(0, clock[0] + 0.010), collect(launched, reuse))[1])
+        clock_reading_rounds_in(monkeypatch, generator)
         stats = SpeculativeStats(drafter.name, drafter.block_size)
         run(generator, [(0, [5, 6, 7, 8, 9], dict(max_tokens=[40], stats=[stats]))])
         assert len(policy.observed) == len(policy.chosen) == len(stats.history)
@@ -2516,15 +2527,10 @@ def test_a_pipelined_round_is_timed_from_the_last_read_and_not_at_all_when_done_
         def observe(self, seconds):
             self.observed.append(seconds)
 
-    clock = [0.0]
-    monkeypatch.setattr(generator_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
-
     def observed(gap):
         policy = Recording()
         generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=True)
-        collect = generator._collect
-        monkeypatch.setattr(generator, "_collect", lambda launched, reuse: (
-            clock.__setitem__(0, clock[0] + 0.010), collect(launched, reuse))[1])
+        clock = clock_reading_rounds_in(monkeypatch, generator)
         generator.insert([[5, 6, 7, 8, 9]], max_tokens=[40])
         ahead, kinds, tokens = [], [], []
         while len(tokens) < 40:
