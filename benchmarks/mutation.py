@@ -489,14 +489,14 @@ MUTANTS = [
     Mutant(
         "a batch near its depth bucket's end takes up the bucket's measurement",
         "mlx_dspark/batching/generator.py",
-        "        if ahead is not None:\n            return ahead\n",
-        "",
+        "        ahead = self._next_buckets(depth)\n",
+        "        ahead = {}\n",
         ("tests/test_batching.py", "-k", "buckets_end"),
     ),
     Mutant(
         "a batch near its depth bucket's end goes on measuring it after each round",
         "mlx_dspark/batching/generator.py",
-        "        if batch not in measured and self._next_buckets(batch, depth) is not None:\n            return\n",
+        "        if batch not in measured and self._next_buckets(depth):\n            return\n",
         "",
         ("tests/test_batching.py", "-k", "buckets_end"),
     ),
@@ -699,8 +699,8 @@ MUTANTS = [
     Mutant(
         "batch costs timed as each round is chosen, after the tokens went out",
         "mlx_dspark/batching/generator.py",
-        "        if not (measured or under_way):\n            return self._measure(batch, depth)",
-        "        if batch & (batch - 1) == 0 or not (measured or under_way):\n"
+        "        if not (measured or ahead or under_way):\n            return self._measure(batch, depth)",
+        "        if batch & (batch - 1) == 0 or not (measured or ahead or under_way):\n"
         "            return self._measure(batch, depth)",
         ("tests/test_batching.py", "-k", "measures_a_few"),
     ),

@@ -645,8 +645,9 @@ def test_a_batch_near_its_depth_buckets_end_takes_the_next_buckets_costs(monkeyp
     starts a measurement there that the later ones would take up after
     each round and never finish, drafting no further than its two lengths
     measured (each batch's first round parked on an H100). Near the end, the
-    next bucket's costs of the same size stand in once measured, and
-    nothing more is timed in this bucket; further from the end, its own."""
+    next bucket's sizes stand in once measured, the same size's or others
+    interpolated, and nothing more is timed in this bucket; further from
+    the end, its own."""
     generator, full, timed = measured_on_fixed_costs(monkeypatch, tmp_path, prompt_length=500)
     depth = max(len(s.tokens) for s in generator._generation.sequences)
     assert 512 - NEAR_BUCKET_END < depth <= 512
@@ -655,8 +656,10 @@ def test_a_batch_near_its_depth_buckets_end_takes_the_next_buckets_costs(monkeyp
     for _ in range(3 * REPEATS):
         profile.costs(600, timer, 4, most=2)  # the next bucket's, measured in full
     timed.clear()
-    assert generator.measured_costs(4, depth) == full
+    assert generator.measured_costs(4, depth) == generator.measured_costs(3, depth) == full
     generator._measure_after_round()
+    generator.remove([generator._generation.sequences[0].uid])
+    generator._measure_after_round()  # a batch of 3
     assert timed == []
     assert len(generator.measured_costs(4, 512 - NEAR_BUCKET_END).verify) == 2
 

@@ -55,6 +55,7 @@ from ..confidence.costs import (
     CostProfile,
     RoundCosts,
     RoundTimer,
+    depth_bucket,
     profile_path,
 )
 from ..speculative.decoding import Decoding, judge_greedy
@@ -703,31 +704,32 @@ class SpeculativeBatchGenerator:
         the sizes measured stand in, or, with none, the parts measured so
         far. Only a depth with nothing known at all is measured here, as a
         round is chosen. Near the end of a depth bucket that lacks the size,
-        the next bucket's costs of it stand in (``_next_buckets``)."""
+        the next bucket's sizes stand in as they would there
+        (``_next_buckets``), unless it has other sizes complete."""
         timer, profile = self._profile()
         measured = profile.measured_batches(depth, timer.verify_rows)
         if batch in measured:
             return measured[batch]
-        ahead = self._next_buckets(batch, depth)
-        if ahead is not None:
-            return ahead
+        ahead = self._next_buckets(depth)
         under_way = profile.partial_batches(depth)
-        if not (measured or under_way):
+        if not (measured or ahead or under_way):
             return self._measure(batch, depth)  # a part: the policy verifies no more than it covers
         # Parts of measurements stand in only while nothing is complete;
         # they cover the lengths all of them have measured.
-        return interpolate(measured or under_way, batch)
+        return interpolate(measured or ahead or under_way, batch)
 
-    def _next_buckets(self, batch: int, depth: int) -> Optional[RoundCosts]:
-        """``batch``'s costs in the next depth bucket, where ``depth`` is near
-        the end of its own (``NEAR_BUCKET_END``) and they are measured: the
-        batch soon leaves the bucket, whose measurement it would take up
-        after each round and never finish. (On an H100, every batch of
-        requests with 512-token prompts drafted nothing in its first round:
-        its bucket had the first two lengths measured, from the first such
-        batch's first round, and no more.)"""
+    def _next_buckets(self, depth: int) -> dict:
+        """``{batch: RoundCosts}`` measured in the next depth bucket, where
+        ``depth`` is near the end of its own (``NEAR_BUCKET_END``), else
+        ``{}``: a batch there soon leaves its bucket, whose measurement it
+        would take up after each round and never finish. (On an H100, every
+        batch of requests with 512-token prompts drafted nothing in its
+        first round: its bucket had the first two lengths measured, from the
+        first such batch's first round, and no more.)"""
+        if depth_bucket(depth + NEAR_BUCKET_END) == depth_bucket(depth):
+            return {}
         timer, profile = self._profile()
-        return profile.measured_batches(depth + NEAR_BUCKET_END, timer.verify_rows).get(batch)
+        return profile.measured_batches(depth + NEAR_BUCKET_END, timer.verify_rows)
 
     def profiled_costs(self, batch: int, depth: int) -> Optional[RoundCosts]:
         """The costs of rounds of ``batch`` sequences at ``depth`` as the
@@ -788,7 +790,7 @@ class SpeculativeBatchGenerator:
         # While no size is complete, the parts under way cap the drafts: a
         # batch that left the size being measured measures its own.
         starts = batch & (batch - 1) == 0 or not measured
-        if batch not in measured and self._next_buckets(batch, depth) is not None:
+        if batch not in measured and self._next_buckets(depth):
             return
         if batch in under_way or (batch not in measured and starts):
             self._measure(batch, depth)

@@ -86,8 +86,9 @@ VERIFIES_MEASURED_PER_ROUND = 2
 # the only one at depth 2048, measuring two more verify lengths of that
 # bucket (170-250 ms, 15% of a 128-token generation parked in every round).
 # A batch generator's entries are left alone here: it reads which batch sizes
-# are measured bucket by bucket (``measured_batches``), and applies the same
-# rule to each size itself (``SpeculativeBatchGenerator._next_buckets``).
+# are measured bucket by bucket (``measured_batches``), and near a bucket's
+# end takes the next bucket's sizes itself where its own has none complete
+# (``SpeculativeBatchGenerator._next_buckets``).
 NEAR_BUCKET_END = 64
 
 
