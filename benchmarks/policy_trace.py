@@ -25,7 +25,7 @@ from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.batching.policy import BatchPolicy, FixedPolicy
 
 import shapes
-from batch import prompts, run
+from batch import TINY_ASSISTANT, prompts, run
 from speculative import TINY, replayed_acceptance
 
 
@@ -80,6 +80,7 @@ def by_drafts(rounds):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", choices=["12b"])
+    parser.add_argument("--drafter", choices=["dspark", "assistant"], default="dspark")
     parser.add_argument("--tau", type=float, default=3.3)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--context", type=int, default=512)
@@ -89,8 +90,13 @@ def main():
     args = parser.parse_args()
 
     if args.shapes:
-        model, drafter = shapes.make_target(1), shapes.make_drafter(1)
+        make = shapes.make_assistant if args.drafter == "assistant" else shapes.make_drafter
+        model, drafter = shapes.make_target(1), make(1)
         vocab = shapes.target_config(1)["vocab_size"]
+    elif args.drafter == "assistant":
+        model, _ = load(str(TINY_ASSISTANT / "target"))
+        drafter = mlx_dspark.load_drafter(TINY_ASSISTANT / "assistant")
+        vocab = model.args.vocab_size
     else:
         model, _ = load(str(TINY / "target_tiny_gemma4"))
         drafter = mlx_dspark.load_drafter(TINY / "dspark_tiny_gemma4_block4")
