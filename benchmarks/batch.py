@@ -86,6 +86,21 @@ def run_single(model, drafter, prompt, max_tokens, scheduler, stats):
     return tokens / (time.perf_counter() - tic)
 
 
+def pair(args):
+    """The target, drafter and vocabulary size ``--shapes``, ``--scale`` and
+    ``--drafter`` name: random weights at 12B shapes (divided by the scale),
+    whose acceptance is replayed, or the bundled tiny pair."""
+    if args.shapes or args.scale:
+        scale = args.scale or 1
+        make = shapes.make_assistant if args.drafter == "assistant" else shapes.make_drafter
+        return shapes.make_target(scale), make(scale), shapes.target_config(scale)["vocab_size"]
+    if args.drafter == "assistant":
+        model, _ = load(str(TINY_ASSISTANT / "target"))
+        return model, mlx_dspark.load_drafter(TINY_ASSISTANT / "assistant"), model.args.vocab_size
+    model, _ = load(str(TINY / "target_tiny_gemma4"))
+    return model, mlx_dspark.load_drafter(TINY / "dspark_tiny_gemma4_block4"), model.args.vocab_size
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", choices=["12b"])
@@ -139,20 +154,7 @@ def measure(args, parser):
         parser.error("--single runs at batch size 1: include 1 in --batch")
 
     replay = args.shapes or args.scale
-    if replay:
-        scale = args.scale or 1
-        model = shapes.make_target(scale)
-        make = shapes.make_assistant if args.drafter == "assistant" else shapes.make_drafter
-        drafter = make(scale)
-        vocab = shapes.target_config(scale)["vocab_size"]
-    elif args.drafter == "assistant":
-        model, _ = load(str(TINY_ASSISTANT / "target"))
-        drafter = mlx_dspark.load_drafter(TINY_ASSISTANT / "assistant")
-        vocab = model.args.vocab_size
-    else:
-        model, _ = load(str(TINY / "target_tiny_gemma4"))
-        drafter = mlx_dspark.load_drafter(TINY / "dspark_tiny_gemma4_block4")
-        vocab = model.args.vocab_size
+    model, drafter, vocab = pair(args)
 
     # mlx_lm.server runs its batch generator on the thread's default stream,
     # where its reads of each token's log-probability run too.

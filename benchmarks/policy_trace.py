@@ -3,7 +3,8 @@ rounds really took, against the fixed policy on the same prompts.
 
 For each batch size: the speculative batch generator with the fixed policy,
 then with the cost policy, then fixed again (one process, replayed or real
-acceptance as ``batch.py``). Printed per policy: decode tokens/s, and by the
+acceptance as ``batch.py``), each after an untimed run of its own policy on
+other prompts (the cost profile measured, the policy's first rounds learnt). Printed per policy: decode tokens/s, and by the
 number of drafts a round verified, how many rounds and their median
 realised time (the time ``SpeculativeBatchGenerator`` reports to the
 policy); for the cost policy also the predicted time behind each choice and
@@ -18,15 +19,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm import load
-
-import mlx_dspark
 from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.batching.policy import BatchPolicy, FixedPolicy
 
-import shapes
-from batch import TINY_ASSISTANT, prompts, run
-from speculative import TINY, replayed_acceptance
+from batch import pair, prompts, run
+from speculative import replayed_acceptance
 
 
 def traced(base):
@@ -80,6 +77,7 @@ def by_drafts(rounds):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", choices=["12b"])
+    parser.add_argument("--scale", type=int, help="12B shapes divided by this (replayed acceptance)")
     parser.add_argument("--drafter", choices=["dspark", "assistant"], default="dspark")
     parser.add_argument("--tau", type=float, default=3.3)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
@@ -89,32 +87,25 @@ def main():
     parser.add_argument("--json")
     args = parser.parse_args()
 
-    if args.shapes:
-        make = shapes.make_assistant if args.drafter == "assistant" else shapes.make_drafter
-        model, drafter = shapes.make_target(1), make(1)
-        vocab = shapes.target_config(1)["vocab_size"]
-    elif args.drafter == "assistant":
-        model, _ = load(str(TINY_ASSISTANT / "target"))
-        drafter = mlx_dspark.load_drafter(TINY_ASSISTANT / "assistant")
-        vocab = model.args.vocab_size
-    else:
-        model, _ = load(str(TINY / "target_tiny_gemma4"))
-        drafter = mlx_dspark.load_drafter(TINY / "dspark_tiny_gemma4_block4")
-        vocab = model.args.vocab_size
+    model, drafter, vocab = pair(args)
     stream = {"stream": mx.default_stream(mx.default_device())}
 
     results = []
     for n in args.batch:
         for wave, make in enumerate([FixedPolicy, BatchPolicy, FixedPolicy]):
             policy = traced(make)()
-            replay = replayed_acceptance(args.tau, drafter.block_size, seed=wave) if args.shapes else contextlib.nullcontext()
+            replay = replayed_acceptance(args.tau, drafter.block_size, seed=wave) if args.shapes or args.scale else contextlib.nullcontext()
+            generator = lambda: SpeculativeBatchGenerator(  # noqa: E731
+                model, drafter, completion_batch_size=64, policy=policy, **stream
+            )
             with replay:
-                speed = run(
-                    lambda: SpeculativeBatchGenerator(model, drafter, completion_batch_size=64, policy=policy, **stream),
-                    prompts(n, args.context, vocab, wave),
-                    args.max_tokens,
-                    like_server=True,
-                )
+                # Untimed, on other prompts: the costs' measurement and the
+                # shapes' first uses, and the policy's first lessons, as a
+                # server's policy has learnt them from its earlier batches.
+                run(generator, prompts(n, args.context, vocab, 100 + wave), args.max_tokens, like_server=True)
+                policy.rounds.clear()
+                policy._pending.clear()
+                speed = run(generator, prompts(n, args.context, vocab, wave), args.max_tokens, like_server=True)
             row = {"batch": n, "policy": policy.name, "wave": wave, "tokens_per_s": speed, "by_drafts": by_drafts(policy.rounds)}
             if policy.name == "cost":
                 row["overheads_ms"] = {
