@@ -1447,6 +1447,20 @@ MUTANTS = [
         "        tokens = sum(e[-1] for e in emitted)\n",
         ("tests/test_batching.py", "-k", "best_drafts or policy"),
     ),
+    Mutant(
+        "a position never verified is worth the prior's 0.5, not the rate before it",
+        "mlx_dspark/batching/policy.py",
+        "            prior = (rates[-1] if rates else self.prior) if chained else self.prior[j]\n",
+        "            prior = self.prior if chained else self.prior[j]\n",
+        ("tests/test_batching.py", "-k", "acceptance or never_verified or refused"),
+    ),
+    Mutant(
+        "a newcomer's rates start from a single rate, not the drafter's by position",
+        "mlx_dspark/batching/policy.py",
+        "        chained = isinstance(self.prior, (int, float))\n",
+        "        chained = True\n        self.prior = self.prior if isinstance(self.prior, (int, float)) else self.prior[0]\n",
+        ("tests/test_batching.py", "-k", "acceptance or never_verified or refused"),
+    ),
 ]
 
 

@@ -1329,6 +1329,23 @@ def test_expected_tokens_and_acceptance():
     assert acceptance.rates() == [1.0, 0.5, 1.0]
 
 
+def test_drafts_never_verified_are_worth_what_the_drafts_before_them_earned():
+    """A policy that verified 4 of 6 drafts, round after round, values drafts
+    5 and 6 at the rate its verified drafts earned, not at the prior's 0.5,
+    and drafts all 6 where they pay at that rate (at 0.5 for good, it
+    would verify 5 forever: the trap a fresh policy's first rounds set)."""
+    acceptance = Acceptance(6)
+    for accepted in [4, 3, 4, 2, 4, 4, 1, 4, 4, 3] * 3:
+        acceptance.update(proposed=4, accepted=accepted)
+    rates = acceptance.rates()
+    assert rates[3] > 0.7 and rates[4] == rates[5] == rates[3]
+    # A GPU's verify: rows nearly free; each draft a step of 4 ms.
+    costs = RoundCosts(draft=0.024, verify=[0.030] * 7, draft_one=0.004, drafts=6)
+    assert best_drafts([rates] * 8, [6] * 8, costs) == 6
+    # A newcomer starts from these rates, position by position.
+    assert acceptance.newcomer().rates() == pytest.approx(rates)
+
+
 @given(
     st.integers(1, 6).flatmap(
         lambda n: st.tuples(
@@ -1352,10 +1369,13 @@ def test_drafts_refused_round_after_round_bring_every_later_rate_to_their_confid
     for _ in range(400):
         acceptance.expect(first, rates[first:])
     assert acceptance.rates()[:first] == before
-    # 10 rounds' worth of counts against the prior's 2 (decay 0.9).
-    assert acceptance.rates()[first:] == pytest.approx(
-        [(10 * r + 2 * 0.5) / 12 for r in rates[first:]], abs=1e-6
-    )
+    # 10 rounds' worth of counts against the prior's 2 (decay 0.9), each
+    # position's prior the rate of the one before it (the first's, 0.5).
+    expected, prior = [], before[-1] if before else 0.5
+    for r in rates[first:]:
+        prior = (10 * r + 2 * prior) / 12
+        expected.append(prior)
+    assert acceptance.rates()[first:] == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.usefixtures("frequent_probes")
