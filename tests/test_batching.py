@@ -1342,8 +1342,56 @@ def test_drafts_never_verified_are_worth_what_the_drafts_before_them_earned():
     # A GPU's verify: rows nearly free; each draft a step of 4 ms.
     costs = RoundCosts(draft=0.024, verify=[0.030] * 7, draft_one=0.004, drafts=6)
     assert best_drafts([rates] * 8, [6] * 8, costs) == 6
-    # A newcomer starts from these rates, position by position.
-    assert acceptance.newcomer().rates() == pytest.approx(rates)
+    # A newcomer starts from these rates, position by position, and a later
+    # position moves with the one before it where only that one is verified.
+    newcomer = acceptance.newcomer()
+    assert newcomer.rates() == pytest.approx(rates)
+    for _ in range(20):
+        newcomer.update(proposed=1, accepted=0)
+    fallen = newcomer.rates()
+    assert fallen[0] < 0.2 and fallen[1] == pytest.approx(rates[1] * fallen[0] / rates[0])
+
+
+@given(
+    st.integers(1, 6).flatmap(
+        lambda n: st.tuples(
+            st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n),
+            st.lists(st.tuples(st.integers(0, n), st.integers(0, n)), max_size=30),
+        )
+    )
+)
+def test_rates_are_probabilities_whatever_the_prior_and_rounds(case):
+    """A later position's prior moves with the position before it, by a
+    ratio: it never leaves [0, 1], whatever the newcomer's prior by position
+    and the rounds it saw."""
+    prior, history = case
+    acceptance = Acceptance(len(prior), prior)
+    for proposed, accepted in history:
+        acceptance.update(proposed, min(accepted, proposed))
+        assert all(0.0 <= rate <= 1.0 for rate in acceptance.rates())
+
+
+def test_a_requests_own_rates_value_the_drafts_it_never_verified_as_those_before_them():
+    """In the batch generator, the rates a round's choice reads are each
+    request's own (a newcomer of the drafter's recent rates): a request whose
+    rounds verified 2 of its 4 drafts values drafts 3 and 4 at what its
+    second earned, not at the prior's 0.5."""
+    model, drafter = trained("gemma4")
+
+    class VerifiesTwo(FixedPolicy):
+        def __init__(self):
+            self.rates = []
+
+        def choose(self, rates, caps, depth, batch=None, most=None):
+            self.rates.append(rates)
+            return min(2, max(caps, default=0))
+
+    policy = VerifiesTwo()
+    generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=False)
+    run(generator, [(0, [5, 6, 7, 8, 9], dict(max_tokens=[60]))])
+    own = policy.rates[-1][0]
+    assert drafter.max_draft_tokens == 4 and abs(own[1] - 0.5) > 0.01
+    assert own[2:] == pytest.approx([own[1]] * 2)
 
 
 @given(
@@ -2600,7 +2648,7 @@ def test_a_joining_sequence_starts_from_the_drafters_recent_acceptance():
     assert learned != [0.5] * drafter.max_draft_tokens
     policy.rates.clear()
     run(generator, [(0, [9, 8, 7, 6, 5], dict(max_tokens=[30]))])
-    assert policy.rates[0] == [learned]
+    assert policy.rates[0] == [pytest.approx(learned)]
 
 
 def test_policy_choice_depends_on_batch_size():

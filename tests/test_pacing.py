@@ -49,6 +49,18 @@ NOISY = [
 ]
 
 
+def test_a_generations_own_rates_value_the_drafts_it_never_verified_as_those_before_them():
+    """The rates a generation's rounds are chosen by are its own (a newcomer of
+    its drafter's recent rates): after rounds that verified 2 of 6 drafts,
+    drafts 3 to 6 are worth what the second earned, not the prior's 0.5."""
+    pacing = Pacing(TableCostScheduler(None, 0.004, FOUR_BIT), None, 6)
+    for accepted in [2, 1, 2, 0, 2, 2] * 10:
+        pacing.update(2, accepted)
+    own = pacing.acceptance.rates()
+    assert abs(own[1] - 0.5) > 0.05
+    assert own[2:] == pytest.approx([own[1]] * 4)
+
+
 def test_a_jagged_curve_pads_and_parks():
     costs = RoundCosts(0.004, FOUR_BIT)
     # 3 rows (29.5 ms) against 8 (29.2 ms) is no saving worth the rows.

@@ -137,17 +137,18 @@ class Acceptance:
     ``prior_weight`` rounds at rate ``prior``; recent rounds weigh more
     (each count decays by ``decay`` per update).
 
-    ``prior`` is one rate per position (a newcomer's: the drafter's recent
-    rates), or one rate for the first position, each later one's prior then
-    being the rate of the position before it. A position rarely or never
-    verified is worth what the drafts before it earned, not a fixed guess:
-    with 0.5 for every position, a policy that verified fewer drafts than
-    it could (a fresh one's first rounds at the prior, where 0.5 makes each
-    further draft worth little) valued the drafts it never verified at 0.5
-    for good, and kept drafting fewer (likely why, on an H100 at 12B shapes,
-    the batched assistant at tau 3.3, each draft kept at 0.73, drafted
-    4.1-4.7 a round under ``cost`` against ``fixed``'s 5.6, at 0.94-0.96x
-    its tokens/s).
+    ``prior`` is one rate, or one per position (a newcomer's: the drafter's
+    recent rates). It is the prior of the first position only; a later
+    position's is its own scaled by how far the position before it moved
+    from its prior (one rate: the rate of the position before it). So a
+    position rarely or never verified is worth what the drafts before it
+    earned, not a fixed guess: with 0.5 for every position, a policy that
+    verified fewer drafts than it could (a fresh one's first rounds at the
+    prior, where 0.5 makes each further draft worth little) valued the
+    drafts it never verified at 0.5 for good, and kept drafting fewer
+    (likely why, on an H100 at 12B shapes, the batched assistant at tau
+    3.3, each draft kept at 0.73, drafted 4.1-4.7 a round under ``cost``
+    against ``fixed``'s 5.6, at 0.94-0.96x its tokens/s).
     """
 
     positions: int
@@ -160,6 +161,8 @@ class Acceptance:
     def __post_init__(self):
         self.verified = [0.0] * self.positions
         self.accepted = [0.0] * self.positions
+        if isinstance(self.prior, (int, float)):
+            self.prior = [self.prior] * self.positions
 
     def update(self, proposed: int, accepted: int) -> None:
         for j in range(min(proposed, self.positions)):
@@ -188,10 +191,10 @@ class Acceptance:
     def rates(self) -> List[float]:
         """``a_j``: P(draft j accepted | drafts before it accepted)."""
         w = self.prior_weight
-        chained = isinstance(self.prior, (int, float))
         rates = []
-        for j, (v, a) in enumerate(zip(self.verified, self.accepted)):
-            prior = (rates[-1] if rates else self.prior) if chained else self.prior[j]
+        for j, (v, a, prior) in enumerate(zip(self.verified, self.accepted, self.prior)):
+            if j and self.prior[j - 1] > 0:
+                prior = min(1.0, prior * rates[-1] / self.prior[j - 1])
             rates.append((a + w * prior) / (v + w))
         return rates
 
