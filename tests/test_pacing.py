@@ -89,13 +89,14 @@ def test_a_jagged_curve_pads_and_parks():
     for _ in range(40):
         pacing.update(6, 6)
     assert all(pacing.drafts(6, 2048) for _ in range(3 * REPROBE_EVERY))
-    # Without padding, the same good acceptance parks (after the probe of a
-    # stream that never drafted).
+    # Without padding, 6 drafts verify as 7 rows (56 ms): the same acceptance
+    # drafts 2 (3 rows and the draft, 33.5 ms, for about 2.4 tokens against
+    # a plain step's 14.3 ms for one), never more.
     unpadded = Pacing(TableCostScheduler(None, 0.004, FOUR_BIT), None, 6)
     unpadded.scheduler.costs = lambda depth, timer, most=None: RoundCosts(0.004, FOUR_BIT)
     for _ in range(40):
         unpadded.update(6, [2, 1, 3, 6, 0, 1, 2, 3, 0, 4][_ % 10])
-    assert [unpadded.drafts(6, 2048) for _ in range(2)] == [6, 0]
+    assert {unpadded.drafts(6, 2048) for _ in range(2 * REPROBE_EVERY)} == {2}
 
 
 # A 4-bit 12B target's verify costs (ms) for 1-16 rows and a DSpark draft's,
