@@ -6,7 +6,7 @@
 # batch-assistant.log, a single stream's in paired-4bit-assistant.log; the
 # time each kind of round lost against plain decoding, parked rounds and
 # probes apart, in the paired JSON lines; the cost profiles measured in
-# verify-cost/). About 8 minutes on an H200.
+# verify-cost/). About 8 minutes on an H200 for `single` and `batch`.
 set -euo pipefail
 export PYTHONPATH=~/site
 export MLX_DSPARK_CACHE="${MLX_DSPARK_CACHE:-$HOME/mdc}"
@@ -17,9 +17,11 @@ debug() {  # run a benchmark with the policies' debug lines on stderr
 }
 
 # Parts to run (all by default), one call each where one call's 600 s would not
-# hold both: `single` (the 4-bit assistant's stream) and `batch` (the batched
-# assistant), e.g. `bash device_parked.sh single`.
-parts=" ${*:-single batch} "
+# hold them all: `single` (the 4-bit assistant's stream), `batch` (the batched
+# assistant) and `trace` (the batched assistant's `cost` choices round by round
+# against `fixed`'s, with each kind of round's predicted and real time), e.g.
+# `bash device_parked.sh single`.
+parts=" ${*:-single batch trace} "
 
 if [[ $parts == *" single "* ]]; then
     python3 parked.py --target-bits 4 --drafter assistant --context 2048 --passes 3 \
@@ -31,6 +33,11 @@ fi
 if [[ $parts == *" batch "* ]]; then
     MLX_USE_CUDA_GRAPHS=0 debug batch.py --drafter assistant --shapes 12b --tau 3.3 --batch 1 4 8 \
         --like-server --json "$OUT/batch-assistant.json" 2> "$OUT/batch-assistant.log"
+fi
+if [[ $parts == *" trace "* ]]; then
+    MLX_USE_CUDA_GRAPHS=0 python3 policy_trace.py --shapes 12b --drafter assistant --tau 3.3 \
+        --batch 4 8 --max-tokens 64 --rounds --json "$OUT/policy-trace-assistant.json" \
+        > "$OUT/policy-trace-assistant.txt"
 fi
 mkdir -p "$OUT/verify-cost"
 find "$MLX_DSPARK_CACHE/verify-cost" -name '*.json' -exec cp {} "$OUT/verify-cost/" \; 2> /dev/null || true
