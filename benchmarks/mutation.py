@@ -1469,6 +1469,27 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "acceptance or never_verified or refused or probabilities"),
     ),
     Mutant(
+        "a drafting round is weighed with the drafting rounds' one overhead, whatever its drafts",
+        "mlx_dspark/batching/policy.py",
+        "        seconds += (beyond or {}).get(w, 0.0)\n",
+        "        seconds += 0.0\n",
+        ("tests/test_batching.py", "-k", "few_drafts_slower"),
+    ),
+    Mutant(
+        "a count of drafts' own overhead is not recorded",
+        "mlx_dspark/batching/policy.py",
+        "            self._by_drafts[batch, drafts].append(excess)\n",
+        "            pass\n",
+        ("tests/test_batching.py", "-k", "few_drafts_slower"),
+    ),
+    Mutant(
+        "a count of drafts' overhead is its slowest recent round's",
+        "mlx_dspark/batching/policy.py",
+        "            drafts: min(recent) - overhead\n",
+        "            drafts: max(recent) - overhead\n",
+        ("tests/test_batching.py", "-k", "few_drafts_slower"),
+    ),
+    Mutant(
         "a generation's rates are made with one rate, not a newcomer of its drafter's",
         "mlx_dspark/speculative/pacing.py",
         "        self.acceptance = self.recent.newcomer()\n",

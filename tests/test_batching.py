@@ -2651,6 +2651,42 @@ def test_a_joining_sequence_starts_from_the_drafters_recent_acceptance():
     assert policy.rates[0] == [pytest.approx(learned)]
 
 
+def test_rounds_of_few_drafts_slower_than_measured_do_not_keep_the_policy_at_few():
+    """Drafting rounds of 2 drafts take 6.5-9 ms beyond their measured costs,
+    rounds of 6 only 2.5 ms (the measured drafting cost grows faster with
+    the drafts than a round's, as the Gemma-4 assistant's did on an H100).
+    Weighed with one overhead for every drafting round, 2 drafts stay within
+    ``NEAR_BEST`` of the best and the policy keeps them for good; weighed
+    with each count's own, it moves to more drafts."""
+    ms = 1e-3
+    costs = RoundCosts(
+        draft=20 * ms, verify=[v * ms for v in (20.2, 20.6, 21.0, 21.2, 21.4, 21.6, 21.8)],
+        draft_one=2.5 * ms, drafts=6,
+    )
+    slower = iter([6.5 * ms, 8 * ms, 9 * ms] * 10)  # rounds of 2 drafts, beyond their costs
+    policy = BatchPolicy(lambda batch, depth: costs)
+    rates = [[0.66] * 6]
+
+    def observe(k):
+        beyond = 0.0 if k == 0 else next(slower) if k == 2 else 2.5 * ms
+        policy.observe(costs.verify[k] + costs.drafting(k) + beyond)
+
+    history = [2] * 12 + [6] * 4 + [2] * 4
+    while history:
+        if policy.choose(rates, [6], 600) == 0:  # its plain rounds, to learn their cost
+            observe(0)
+            continue
+        policy.verifies(history[0], costs)
+        observe(history.pop(0))
+    assert policy.beyond(1) == pytest.approx({2: 4 * ms, 6: 0.0})
+    assert policy.newcomer().beyond(1) == policy.beyond(1)  # another thread's stream
+    choices = []
+    for _ in range(8):
+        choices.append(policy.choose(rates, [6], 600))
+        observe(choices[-1])
+    assert set(choices) == {4}
+
+
 def test_policy_choice_depends_on_batch_size():
     """The same acceptance, costs that grow with the batch: more drafts for
     one sequence than for sixteen."""

@@ -19,7 +19,10 @@ recent rounds), and adds that to the costs (a kind a batch size has not run
 yet takes another size's, see ``_overheads``): a batch where drafting looks
 cheap on paper but is slow in practice parks. The overhead is added, not
 multiplied: the host's work is much the same whatever the rows verified,
-and the server does it between the rounds' device work, not during it. (As
+and the server does it between the rounds' device work, not during it. A
+count of drafts whose rounds were timed also pays what they took beyond
+that overhead (``beyond``): the measured drafting cost can grow faster with
+the drafts than a round's does. (As
 a ratio it made every further draft look dearer than it is: on the H200
 at 12B shapes, rounds at one sequence took 35 ms beyond their forwards, and
 the policy verified 3 drafts where 7 paid.)
@@ -238,7 +241,7 @@ def expected_tokens(rates: Sequence[float], drafts: int) -> float:
 def best_drafts(
     rates: Sequence[Sequence[float]], caps: Sequence[int], costs: RoundCosts,
     keep: Optional[int] = None, switch: float = 0.0,
-    width: Optional[Callable[[int], int]] = None,
+    width: Optional[Callable[[int], int]] = None, beyond: Optional[dict] = None,
 ) -> int:
     """The ``k`` in ``0..max(caps)`` with the most expected tokens per second
     for the batch (sequence ``b`` verifies ``min(k, caps[b])`` drafts, and
@@ -247,7 +250,9 @@ def best_drafts(
     within ``NEAR_BEST`` of it and faster than plain decoding. Where a
     change of shape costs ``switch`` seconds, a round whose width is not
     ``keep`` (the round before's) pays them, and a ``k`` verified at
-    ``keep`` stays wherever it is within ``NEAR_BEST`` of the best."""
+    ``keep`` stays wherever it is within ``NEAR_BEST`` of the best.
+    ``beyond``: seconds a round of a given width takes beyond ``costs``
+    (``BatchPolicy.beyond``)."""
     speeds, widths = [], []
     top = min(max(caps, default=0), len(costs.verify) - 1)
     # Each sequence's expected tokens by drafts, in one pass (every round
@@ -259,6 +264,7 @@ def best_drafts(
     for k in range(top + 1):
         w = width(k) if k and width else k
         seconds = costs.verify[w] + costs.drafting(w) + (switch if w != keep else 0.0)
+        seconds += (beyond or {}).get(w, 0.0)
         tokens = sum(e[min(k, len(e) - 1)] for e in emitted)
         speeds.append(tokens / seconds)
         widths.append(w)
@@ -392,6 +398,9 @@ class BatchPolicy:
         # recent overheads.
         self._seen = Counter()
         self._recent = defaultdict(lambda: deque(maxlen=RECENT_ROUNDS))
+        # (batch size, drafts) -> the recent overheads of drafting rounds
+        # of that many drafts (``beyond``).
+        self._by_drafts = defaultdict(lambda: deque(maxlen=RECENT_ROUNDS))
         # (batch size, drafts verified, drafted, predicted seconds) of each
         # round chosen and not yet observed, oldest first (no prediction:
         # nobody could draft, nothing measured to learn against).
@@ -420,6 +429,8 @@ class BatchPolicy:
         policy._seen = Counter(self._seen)
         for kind, recent in self._recent.items():
             policy._recent[kind].extend(recent)
+        for shape, recent in self._by_drafts.items():
+            policy._by_drafts[shape].extend(recent)
         policy.switch_cost = self.switch_cost
         policy._switches.extend(self._switches)
         policy._observed = self._observed
@@ -445,7 +456,7 @@ class BatchPolicy:
         width = None
         if most:
             width = lambda k: round_width(k, most, measured, *self._keep)  # noqa: E731
-        k = best_drafts(rates, caps, costs, *self._keep, width=width)
+        k = best_drafts(rates, caps, costs, *self._keep, width=width, beyond=self.beyond(batch))
         self._log_switch(k, max(caps), batch, depth, costs)
         if k:
             self.parked = 0
@@ -595,6 +606,26 @@ class BatchPolicy:
             verify=[costs.verify[0] + plain] + list(costs.verify[1:]),
         )
 
+    def beyond(self, batch: int) -> dict:
+        """Drafts -> seconds a drafting round of that many drafts at
+        ``batch`` took beyond the drafting rounds' overhead (the fastest of
+        its recent rounds against the fastest of any drafts), where such
+        rounds were timed. The measured drafting cost can grow faster with
+        the drafts than it does in a round, where the host builds a draft's
+        step while the device runs the one before: on an H100 at 12B shapes
+        the Gemma-4 assistant's rounds of 2 drafts took 5-7 ms more than
+        their measured costs, rounds of 6 only 2.5-3 ms more, and a single
+        stream kept 2 drafts a round (one overhead for both looked 6 only
+        2% faster, within ``NEAR_BEST``) where 6 were 19% faster."""
+        overhead = self.overheads.get((batch, True))
+        if overhead is None:
+            return {}
+        return {
+            drafts: min(recent) - overhead
+            for (b, drafts), recent in self._by_drafts.items()
+            if b == batch and recent
+        }
+
     def _overheads(self, batch: int):
         """The overheads of rounds with drafts and without for ``batch``:
         both from the nearest batch size that ran both kinds (``batch``
@@ -654,6 +685,8 @@ class BatchPolicy:
             return
         self._recent[kind].append(excess)
         self.overheads[kind] = min(self._recent[kind])
+        if drafted:
+            self._by_drafts[batch, drafts].append(excess)
 
 
 class FixedPolicy:
