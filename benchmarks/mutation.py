@@ -1490,6 +1490,27 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "few_drafts_slower"),
     ),
     Mutant(
+        "a drafting round that verified none counts as a count of 0 drafts",
+        "mlx_dspark/batching/policy.py",
+        "        if drafts:  # (a drafting round that verified none is no count's)\n",
+        "        if drafted:\n",
+        ("tests/test_batching.py", "-k", "few_drafts_slower"),
+    ),
+    Mutant(
+        "a count of drafts' own overhead is never forgotten",
+        "mlx_dspark/batching/policy.py",
+        "            if b == batch and self._timed[batch] - self._timed_at[b, drafts] <= FORGET_AFTER\n",
+        "            if b == batch\n",
+        ("tests/test_batching.py", "-k", "few_drafts_slower"),
+    ),
+    Mutant(
+        "a batch size weighs its counts against an overhead a neighbour's stands in for",
+        "mlx_dspark/batching/policy.py",
+        "        if (batch, False) not in self.overheads or (batch, True) not in self.overheads:\n",
+        "        if (batch, True) not in self.overheads:\n",
+        ("tests/test_batching.py", "-k", "few_drafts_slower"),
+    ),
+    Mutant(
         "a generation's rates are made with one rate, not a newcomer of its drafter's",
         "mlx_dspark/speculative/pacing.py",
         "        self.acceptance = self.recent.newcomer()\n",

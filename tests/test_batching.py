@@ -23,6 +23,7 @@ from mlx_dspark.batching.cache import BatchRollbackKVCache, _live_entries
 from mlx_dspark.batching import generator as generator_module
 from mlx_dspark.batching.generator import SpeculativeBatchGenerator
 from mlx_dspark.batching.policy import (
+    FORGET_AFTER,
     Acceptance,
     RECENT_ROUNDS,
     LEARNING_ROUNDS,
@@ -2685,6 +2686,27 @@ def test_rounds_of_few_drafts_slower_than_measured_do_not_keep_the_policy_at_few
         choices.append(policy.choose(rates, [6], 600))
         observe(choices[-1])
     assert set(choices) == {4}
+    # A drafting round that verified none of its drafts is no count's: it
+    # must not weigh on plain rounds.
+    for _ in range(4):
+        policy.choose(rates, [6], 600)
+        policy.verifies(0, costs, drawn=6)
+        policy.observe(costs.verify[0] + costs.drafting(6) + 10 * ms)
+    assert 0 not in policy.beyond(1)
+    # A count not timed for FORGET_AFTER drafting rounds is tried afresh.
+    assert 2 in policy.beyond(1)
+    for _ in range(FORGET_AFTER):
+        policy.choose(rates, [6], 600)
+        policy.verifies(4, costs)
+        observe(4)
+    assert 2 not in policy.beyond(1)
+    # A batch size without both overheads of its own (``realised`` adds a
+    # neighbour's there) weighs no count on its own.
+    for _ in range(6):
+        policy.choose(rates * 2, [6, 6], 600)
+        policy.verifies(6, costs, 2)
+        policy.observe(costs.verify[6] + costs.drafting(6) + 30 * ms)
+    assert (2, False) not in policy.overheads and policy.beyond(2) == {}
 
 
 def test_policy_choice_depends_on_batch_size():

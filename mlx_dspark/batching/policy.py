@@ -105,6 +105,11 @@ PROBE_ROUNDS = 2
 WARM_ROUNDS = 2
 RECENT_ROUNDS = 5
 
+# A count of drafts' own overhead (``BatchPolicy.beyond``) is forgotten once
+# this many drafting rounds of the batch size were timed since its last: a
+# count weighed as slow is then tried again, as the drafting overhead says.
+FORGET_AFTER = 32
+
 # A probe of a kind no round of which was timed yet (at any batch size, or
 # at this one where it timed the other kind) lasts until one is, this many
 # rounds at most: its shape's first rounds warm up, and in a batch its last
@@ -399,8 +404,11 @@ class BatchPolicy:
         self._seen = Counter()
         self._recent = defaultdict(lambda: deque(maxlen=RECENT_ROUNDS))
         # (batch size, drafts) -> the recent overheads of drafting rounds
-        # of that many drafts (``beyond``).
+        # of that many drafts, and the batch size's count of timed drafting
+        # rounds at the last of them (``beyond``).
         self._by_drafts = defaultdict(lambda: deque(maxlen=RECENT_ROUNDS))
+        self._timed_at = {}
+        self._timed = Counter()
         # (batch size, drafts verified, drafted, predicted seconds) of each
         # round chosen and not yet observed, oldest first (no prediction:
         # nobody could draft, nothing measured to learn against).
@@ -431,6 +439,8 @@ class BatchPolicy:
             policy._recent[kind].extend(recent)
         for shape, recent in self._by_drafts.items():
             policy._by_drafts[shape].extend(recent)
+        policy._timed_at = dict(self._timed_at)
+        policy._timed = Counter(self._timed)
         policy.switch_cost = self.switch_cost
         policy._switches.extend(self._switches)
         policy._observed = self._observed
@@ -609,21 +619,24 @@ class BatchPolicy:
     def beyond(self, batch: int) -> dict:
         """Drafts -> seconds a drafting round of that many drafts at
         ``batch`` took beyond the drafting rounds' overhead (the fastest of
-        its recent rounds against the fastest of any drafts), where such
-        rounds were timed. The measured drafting cost can grow faster with
+        its recent rounds against the fastest of the batch size's recent
+        drafting rounds), where such rounds were timed lately
+        (``FORGET_AFTER``) and ``batch`` has both overheads of its own (a
+        neighbour's, which ``realised`` may add, was learnt elsewhere). The
+        measured drafting cost can grow faster with
         the drafts than it does in a round, where the host builds a draft's
         step while the device runs the one before: on an H100 at 12B shapes
         the Gemma-4 assistant's rounds of 2 drafts took 5-7 ms more than
         their measured costs, rounds of 6 only 2.5-3 ms more, and a single
         stream kept 2 drafts a round (one overhead for both looked 6 only
         2% faster, within ``NEAR_BEST``) where 6 were 19% faster."""
-        overhead = self.overheads.get((batch, True))
-        if overhead is None:
+        if (batch, False) not in self.overheads or (batch, True) not in self.overheads:
             return {}
+        overhead = self.overheads[batch, True]
         return {
             drafts: min(recent) - overhead
             for (b, drafts), recent in self._by_drafts.items()
-            if b == batch and recent
+            if b == batch and self._timed[batch] - self._timed_at[b, drafts] <= FORGET_AFTER
         }
 
     def _overheads(self, batch: int):
@@ -685,8 +698,10 @@ class BatchPolicy:
             return
         self._recent[kind].append(excess)
         self.overheads[kind] = min(self._recent[kind])
-        if drafted:
+        if drafts:  # (a drafting round that verified none is no count's)
+            self._timed[batch] += 1
             self._by_drafts[batch, drafts].append(excess)
+            self._timed_at[batch, drafts] = self._timed[batch]
 
 
 class FixedPolicy:
