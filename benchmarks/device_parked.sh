@@ -19,7 +19,8 @@ debug() {  # run a benchmark with the policies' debug lines on stderr
 # Parts to run (all by default), one call each where one call's 600 s would not
 # hold them all: `single` (the 4-bit assistant's stream), `batch` (the batched
 # assistant) and `trace` (the batched assistant's `cost` choices round by round
-# against `fixed`'s, with each kind of round's predicted and real time), e.g.
+# against `fixed`'s, with each kind of round's predicted and real time, and the
+# generator's slow steps in its log: what a run spent outside its rounds), e.g.
 # `bash device_parked.sh single`.
 parts=" ${*:-single batch trace} "
 
@@ -35,9 +36,9 @@ if [[ $parts == *" batch "* ]]; then
         --like-server --json "$OUT/batch-assistant.json" 2> "$OUT/batch-assistant.log"
 fi
 if [[ $parts == *" trace "* ]]; then
-    MLX_USE_CUDA_GRAPHS=0 python3 policy_trace.py --shapes 12b --drafter assistant --tau 3.3 \
-        --batch 4 8 --max-tokens 64 --rounds --json "$OUT/policy-trace-assistant.json" \
-        > "$OUT/policy-trace-assistant.txt"
+    MLX_USE_CUDA_GRAPHS=0 debug policy_trace.py --shapes 12b --drafter assistant --tau 3.3 \
+        --batch 1 4 8 --max-tokens 64 --rounds --json "$OUT/policy-trace-assistant.json" \
+        > "$OUT/policy-trace-assistant.txt" 2> "$OUT/policy-trace-assistant.log"
 fi
 mkdir -p "$OUT/verify-cost"
 find "$MLX_DSPARK_CACHE/verify-cost" -name '*.json' -exec cp {} "$OUT/verify-cost/" \; 2> /dev/null || true
