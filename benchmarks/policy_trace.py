@@ -7,7 +7,8 @@ acceptance as ``batch.py``), each after an untimed run of its own policy on
 other prompts (the cost profile measured, the policy's first rounds learnt). Printed per policy: decode tokens/s, and by the
 number of drafts a round verified, how many rounds and their median
 realised time (the time ``SpeculativeBatchGenerator`` reports to the
-policy); for the cost policy also the predicted time behind each choice and
+policy), the rounds' total and the seconds spent measuring costs (the rest
+of a run is prefill and what no round is charged for); for the cost policy also the predicted time behind each choice and
 the policy's overheads at the end. ``--rounds`` prints every cost round.
 """
 
@@ -95,9 +96,12 @@ def main():
         for wave, make in enumerate([FixedPolicy, BatchPolicy, FixedPolicy]):
             policy = traced(make)()
             replay = replayed_acceptance(args.tau, drafter.block_size, seed=wave) if args.shapes or args.scale else contextlib.nullcontext()
-            generator = lambda: SpeculativeBatchGenerator(  # noqa: E731
-                model, drafter, completion_batch_size=64, policy=policy, **stream
-            )
+            made = []
+
+            def generator():
+                made.append(SpeculativeBatchGenerator(model, drafter, completion_batch_size=64, policy=policy, **stream))
+                return made[-1]
+
             with replay:
                 # Untimed, on other prompts: the costs' measurement and the
                 # shapes' first uses, and the policy's first lessons, as a
@@ -106,7 +110,12 @@ def main():
                 policy.rounds.clear()
                 policy._pending.clear()
                 speed = run(generator, prompts(n, args.context, vocab, wave), args.max_tokens, like_server=True)
-            row = {"batch": n, "policy": policy.name, "wave": wave, "tokens_per_s": speed, "by_drafts": by_drafts(policy.rounds)}
+            row = {
+                "batch": n, "policy": policy.name, "wave": wave, "tokens_per_s": speed,
+                "by_drafts": by_drafts(policy.rounds),
+                "rounds_s": sum(r["seconds"] for r in policy.rounds),
+                "measuring_s": made[-1]._measuring,
+            }
             if policy.name == "cost":
                 row["overheads_ms"] = {
                     f"{b} {'drafted' if d else 'plain'}": round(1000 * o, 2) for (b, d), o in policy.overheads.items()
@@ -115,7 +124,8 @@ def main():
                 if args.rounds:
                     row["rounds"] = policy.rounds
             results.append(row)
-            print(f"B={n} {policy.name:<5} {speed:7.1f} tok/s  " + "  ".join(
+            print(f"B={n} {policy.name:<5} {speed:7.1f} tok/s  rounds {row['rounds_s']:.2f} s, measuring "
+                  f"{row['measuring_s']:.2f} s  " + "  ".join(
                 f"k={k}: {g['rounds']}x {g['median_ms']:.1f} ms"
                 + (f" (pred {g['predicted_ms']:.1f})" if g["predicted_ms"] else "")
                 for k, g in row["by_drafts"].items()
