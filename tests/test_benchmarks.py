@@ -183,3 +183,27 @@ def test_paired_refuses_two_target_precisions_in_one_process(bench, monkeypatch,
     with pytest.raises(SystemExit):
         bench("paired").main()
     assert "one --target-bits a process" in capsys.readouterr().err
+
+
+def test_the_table_reads_each_paired_row_against_the_issues_goal(bench):
+    """A speedup below 1.0 is slower than plain unless plain decoding moved as
+    much between its own pairs; a bf16 row under 0.95 of its bound and the
+    4-bit assistant at chat acceptance under 1.2x miss the goal too."""
+    table = bench("table")
+    row = {
+        "context": 2048, "target_bits": 16, "drafter": "dspark", "replayed_tau": 3.3,
+        "scheduler": "cost", "plain_tok_s": 92.0, "spec_tok_s": 180.0, "speedup": 1.96,
+        "speedup_range": [1.5, 2.1], "plain_vs_plain_range": [0.99, 1.01],
+        "bound_speedup": 1.8, "speedup_over_bound": 1.09,
+        "round_phase_ms": {"verify": 16.7, "draft": 3.8, "host": 1.0},
+    }
+    assert table.verdicts(row) == []
+    assert table.markdown(row).endswith("| 16.7 + 3.8, 1.0 | met |")
+    assert table.verdicts(dict(row, speedup=0.97)) == ["slower than plain"]
+    noisy = dict(row, speedup=0.97, plain_vs_plain_range=[0.95, 1.05])
+    assert table.verdicts(noisy) == ["below 1.0, within plain's noise"]
+    assert table.verdicts(dict(row, speedup_over_bound=0.94)) == ["under 0.95 of its bound"]
+    assert table.verdicts(dict(row, target_bits=4, speedup_over_bound=0.5)) == []
+    assistant = dict(row, target_bits=4, drafter="assistant", speedup=1.1)
+    assert table.verdicts(assistant) == ["under 1.2x"]
+    assert table.verdicts(dict(assistant, replayed_tau=6.0)) == []

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue #14's paired table on a CUDA machine with MLX's CUDA build: every
+# drafter (DSpark, DFlash, the Gemma-4 assistant) under the default `cost`
+# scheduler, chat and math acceptance, a 4-bit and a bf16 target at context
+# 2048, the bf16 target at 8192. Expects the wheels installed into ~/site as
+# for device.sh; JSON lines and the rendered table (table.py) go to $OUT.
+# Parts, one call each where one call's 600 s would not hold them (on an
+# H100: `4bit` 240 s, `bf16` 110 s, `8192` 230 s): e.g. `bash device_table.sh 4bit`.
+# At 8192 each drafter runs in a process of its own: the three drafters' caches
+# together did not fit an H100's 80 GB.
+set -euo pipefail
+export PYTHONPATH=~/site
+export MLX_DSPARK_CACHE="${MLX_DSPARK_CACHE:-$HOME/mdc}"
+cd "$(dirname "$0")"
+
+parts=" ${*:-4bit bf16 8192} "
+paired() {
+    python3 paired.py --schedulers cost --taus 3.3 6 --pairs 3 --max-tokens 128 "$@"
+}
+
+if [[ $parts == *" 4bit "* ]]; then
+    paired --context 2048 --target-bits 4 --drafters assistant dspark dflash \
+        --out "$OUT/paired-ctx2048-4bit.jsonl"
+fi
+if [[ $parts == *" bf16 "* ]]; then
+    paired --context 2048 --target-bits 16 --drafters dspark assistant dflash \
+        --out "$OUT/paired-ctx2048-bf16.jsonl"
+fi
+if [[ $parts == *" 8192 "* ]]; then
+    for drafter in dspark dflash assistant; do
+        paired --context 8192 --target-bits 16 --drafters "$drafter" --out "$OUT/paired-ctx8192-bf16.jsonl"
+    done
+fi
+python3 table.py "$OUT"/paired-*.jsonl > "$OUT/table.md"
