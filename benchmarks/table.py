@@ -43,6 +43,9 @@ def markdown(row: dict) -> str:
         f"{phase['verify']:.1f} + {phase['draft']:.1f}, {phase['host']:.1f}"
         if {"verify", "draft", "host"} <= phase.keys() else "-"
     )
+    share = f"{row['speedup_over_bound']:.2f}"
+    if "speedup_over_bound_range" in row:  # per pair (rows before session 33: one bound)
+        share += " ({:.2f}-{:.2f})".format(*row["speedup_over_bound_range"])
     cells = [
         row["context"],
         "bf16" if row["target_bits"] == 16 else f"{row['target_bits']}-bit",
@@ -53,7 +56,7 @@ def markdown(row: dict) -> str:
         f"{row['speedup']:.2f}× ({low:.2f}-{high:.2f})",
         f"{noise_low:.2f}-{noise_high:.2f}",
         f"{row['bound_speedup']:.2f}×",
-        f"{row['speedup_over_bound']:.2f}",
+        share,
         phases,
         "; ".join(verdicts(row)) or "met",
     ]

@@ -176,6 +176,22 @@ def test_paired_splits_the_time_lost_by_kind_of_round(bench):
     assert list(first) == ["drafting after parked", "slowest"]
 
 
+def test_paired_reads_each_pairs_bound_against_its_own_timings(bench):
+    """A machine that changes speed mode between pairs (the middle pair runs
+    everything 1.5x slower) changes neither the bound's share nor its
+    spread: each pair's speedup is read against the bound from its own
+    plain run and component timings, not from timings of another mode
+    (which would read the slow pair at 0.63 of its bound)."""
+    paired = bench("paired")
+    fast = (100.0, 190.0, 0.020, 0.005)  # tau 5: bound 2.0, speedup 1.9
+    slow = (100.0 / 1.5, 190.0 / 1.5, 0.030, 0.0075)
+    report = paired.bounds([fast, slow, fast], tau=5.0)
+    assert report["bound_speedup"] == pytest.approx(2.0)
+    assert report["speedup_over_bound"] == pytest.approx(0.95)
+    assert report["speedup_over_bound_range"] == pytest.approx([0.95, 0.95])
+    assert (report["t_verify_ms"], report["t_draft_ms"]) == pytest.approx((20.0, 5.0))
+
+
 def test_paired_refuses_two_target_precisions_in_one_process(bench, monkeypatch, capsys):
     """MLX reads its launch settings once a process and the commands' differ
     by target precision."""
@@ -199,6 +215,8 @@ def test_the_table_reads_each_paired_row_against_the_issues_goal(bench):
     }
     assert table.verdicts(row) == []
     assert table.markdown(row).endswith("| 16.7 + 3.8, 1.0 | met |")
+    per_pair = dict(row, speedup_over_bound_range=[0.97, 1.12])
+    assert "| 1.09 (0.97-1.12) | 16.7 + 3.8, 1.0 | met |" in table.markdown(per_pair)
     assert table.verdicts(dict(row, speedup=0.97)) == ["slower than plain"]
     noisy = dict(row, speedup=0.97, plain_vs_plain_range=[0.95, 1.05])
     assert table.verdicts(noisy) == ["below 1.0, within plain's noise"]
