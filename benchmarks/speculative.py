@@ -120,6 +120,9 @@ def replayed_acceptance(tau: float, block_size: int, seed: int = 0):
 
 def components(model, drafter, prompt, num_drafts):
     """T_verify(k+1) and T_draft at the prompt's context depth (seconds)."""
+    # Timed before each pair: the pair before's freed caches, kept for
+    # reuse, left no room for these at context 8192 on an H100's 80 GB.
+    mx.clear_cache()
     target = adapt_target(model, drafter)
     target_cache = target.make_cache(num_drafts + 1)
     draft_cache = drafter.make_cache()
