@@ -7,7 +7,9 @@
 # Parts, one call each where one call's 600 s would not hold them (on an
 # H100: `4bit` 240 s, `bf16` 110 s, `8192` 230 s): e.g. `bash device_table.sh 4bit`.
 # At 8192 each drafter runs in a process of its own: the three drafters' caches
-# together did not fit an H100's 80 GB.
+# together did not fit an H100's 80 GB. `probes`: the 4-bit chat rows again with
+# a parked stream's probes allowed 0.01 of its time instead of the policy's 0.03
+# (`paired.py --probe-share`), best run in the call after `4bit`.
 set -euo pipefail
 export PYTHONPATH=~/site
 export MLX_DSPARK_CACHE="${MLX_DSPARK_CACHE:-$HOME/mdc}"
@@ -21,6 +23,10 @@ paired() {
 if [[ $parts == *" 4bit "* ]]; then
     paired --context 2048 --target-bits 4 --drafters assistant dspark dflash \
         --out "$OUT/paired-ctx2048-4bit.jsonl"
+fi
+if [[ $parts == *" probes "* ]]; then
+    paired --taus 3.3 --probe-share 0.01 --context 2048 --target-bits 4 --drafters assistant dspark dflash \
+        --out "$OUT/paired-ctx2048-4bit-probes.jsonl"
 fi
 if [[ $parts == *" bf16 "* ]]; then
     paired --context 2048 --target-bits 16 --drafters dspark assistant dflash \

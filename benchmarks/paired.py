@@ -23,6 +23,7 @@ import argparse
 import collections
 import itertools
 import json
+import math
 import os
 import statistics
 import time
@@ -31,6 +32,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 import mlx_dspark
+from mlx_dspark.batching import policy
 from mlx_dspark.confidence.costs import LAUNCH_SETTINGS, launch_settings_for_speculation
 from mlx_dspark.progress import progress
 import shapes
@@ -75,6 +77,17 @@ def bounds(pairs, tau: float) -> dict:
         "t_verify_ms": round(1000 * statistics.median(p[2] for p in pairs), 2),
         "t_draft_ms": round(1000 * statistics.median(p[3] for p in pairs), 2),
     }
+
+
+def set_probe_share(share: float) -> None:
+    """A parked stream's probes may lose ``share`` of its time (the
+    policy's ``PROBE_SHARE``), their longest interval growing with it so
+    that the share, not the cap, binds where it did (a power of two times
+    ``REPROBE_EVERY``): one share against another in one run, without
+    rebuilding the package a device installs."""
+    ratio = policy.REPROBE_AT_MOST * policy.PROBE_SHARE / (policy.REPROBE_EVERY * share)
+    policy.REPROBE_AT_MOST = policy.REPROBE_EVERY * 2 ** max(0, math.ceil(math.log2(ratio)))
+    policy.PROBE_SHARE = share
 
 
 ROUND_KINDS = ("parked", "parked after drafting", "drafting after parked", "drafting")
@@ -136,6 +149,10 @@ def main():
     parser.add_argument("--schedulers", nargs="+", default=["fixed"], choices=["fixed", "cost"])
     parser.add_argument("--out", default="paired.jsonl")
     parser.add_argument(
+        "--probe-share", type=float,
+        help="the share of a parked stream's time its probes may lose (default: the policy's own)",
+    )
+    parser.add_argument(
         "--mlx-launch-settings", action="store_true",
         help="keep MLX's own launch settings, not those the commands set with a drafter",
     )
@@ -146,6 +163,8 @@ def main():
             "the target's precision: one --target-bits a process, or --mlx-launch-settings"
         )
 
+    if args.probe_share:
+        set_probe_share(args.probe_share)
     # Before anything is evaluated on the device (a module's weights take
     # their random keys when it is built).
     mx.random.seed(0)
@@ -232,6 +251,9 @@ def main():
                     "launch_settings": launch,
                     "shapes": f"gemma-4-12b/{args.scale}",
                 }
+                if args.probe_share:
+                    record["probe_share"] = policy.PROBE_SHARE
+                    record["reprobe_at_most"] = policy.REPROBE_AT_MOST
                 line = json.dumps(record)
                 print(line, flush=True)
                 with open(args.out, "a") as f:

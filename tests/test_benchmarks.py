@@ -192,6 +192,24 @@ def test_paired_reads_each_pairs_bound_against_its_own_timings(bench):
     assert (report["t_verify_ms"], report["t_draft_ms"]) == pytest.approx((20.0, 5.0))
 
 
+def test_paired_probe_share_binds_the_policys_probes_not_its_cap(bench, monkeypatch):
+    """``--probe-share 0.01``: a probe losing 19 ms a round against 10 ms plain
+    rounds comes every 512 parked rounds where the policy's own 0.03 has it
+    every 128 (never past the longest interval, which grows to 1024 so the
+    share binds); 0.03 given leaves the policy as it is."""
+    from mlx_dspark.batching import policy
+
+    paired = bench("paired")
+    for name in ("PROBE_SHARE", "REPROBE_AT_MOST"):
+        monkeypatch.setattr(policy, name, getattr(policy, name))
+    assert policy.reprobe_every(0.019, 0.010, 2) == 128
+    paired.set_probe_share(0.03)
+    assert (policy.PROBE_SHARE, policy.REPROBE_AT_MOST) == (0.03, 256)
+    paired.set_probe_share(0.01)
+    assert (policy.PROBE_SHARE, policy.REPROBE_AT_MOST) == (0.01, 1024)
+    assert policy.reprobe_every(0.019, 0.010, 2) == 512
+
+
 def test_paired_refuses_two_target_precisions_in_one_process(bench, monkeypatch, capsys):
     """MLX reads its launch settings once a process and the commands' differ
     by target precision."""
@@ -217,6 +235,7 @@ def test_the_table_reads_each_paired_row_against_the_issues_goal(bench):
     assert table.markdown(row).endswith("| 16.7 + 3.8, 1.0 | met |")
     per_pair = dict(row, speedup_over_bound_range=[0.97, 1.12])
     assert "| 1.09 (0.97-1.12) | 16.7 + 3.8, 1.0 | met |" in table.markdown(per_pair)
+    assert "| `cost`, probes 0.01 |" in table.markdown(dict(row, probe_share=0.01))
     assert table.verdicts(dict(row, speedup=0.97)) == ["slower than plain"]
     noisy = dict(row, speedup=0.97, plain_vs_plain_range=[0.95, 1.05])
     assert table.verdicts(noisy) == ["below 1.0, within plain's noise"]
