@@ -62,14 +62,14 @@ def throughput(steps, history=None) -> tuple:
     return (len(tokens) - 1) / (stamps[-1] - stamps[0]), tokens, stamps, rounds
 
 
-def bounds(pairs, tau: float) -> dict:
+def bounds(pairs) -> dict:
     """The bound and the speedup's share of it, per pair from the pair's own
-    plain throughput and component timings: on a machine that changes speed
-    mode from run to run, components timed once at the start and plain runs
-    timed later gave quotients of 0.82-1.32 for one scheduler (an H100).
-    ``pairs``: ``(plain_tps, spec_tps, t_verify, t_draft)`` per pair."""
-    bound = [tau / plain / (verify + draft) for plain, _, verify, draft in pairs]
-    share = sorted(spec / plain / b for (plain, spec, _, _), b in zip(pairs, bound))
+    plain throughput, component timings and tau: on an H100 that changed
+    speed mode from run to run, components timed once at a drafter's start
+    and plain runs timed later gave quotients of 0.82-1.20 for rounds alike.
+    ``pairs``: ``(plain_tps, spec_tps, t_verify, t_draft, tau)`` per pair."""
+    bound = [tau / plain / (verify + draft) for plain, _, verify, draft, tau in pairs]
+    share = sorted(spec / plain / b for (plain, spec, *_), b in zip(pairs, bound))
     return {
         "bound_speedup": round(statistics.median(bound), 3),
         "speedup_over_bound": round(statistics.median(share), 3),
@@ -79,13 +79,17 @@ def bounds(pairs, tau: float) -> dict:
     }
 
 
+POLICY_PROBES = (policy.PROBE_SHARE, policy.REPROBE_AT_MOST)
+
+
 def set_probe_share(share: float) -> None:
-    """A parked stream's probes may lose ``share`` of its time (the
-    policy's ``PROBE_SHARE``), their longest interval growing with it so
+    """A parked stream's probes may lose ``share`` of its time instead of
+    the policy's ``PROBE_SHARE``, their longest interval growing with it so
     that the share, not the cap, binds where it did (a power of two times
-    ``REPROBE_EVERY``): one share against another in one run, without
-    rebuilding the package a device installs."""
-    ratio = policy.REPROBE_AT_MOST * policy.PROBE_SHARE / (policy.REPROBE_EVERY * share)
+    ``REPROBE_EVERY``): one share against another on a device, without
+    rebuilding the package it installs."""
+    default_share, default_most = POLICY_PROBES
+    ratio = default_most * default_share / (policy.REPROBE_EVERY * share)
     policy.REPROBE_AT_MOST = policy.REPROBE_EVERY * 2 ** max(0, math.ceil(math.log2(ratio)))
     policy.PROBE_SHARE = share
 
@@ -163,7 +167,9 @@ def main():
             "the target's precision: one --target-bits a process, or --mlx-launch-settings"
         )
 
-    if args.probe_share:
+    if args.probe_share is not None:
+        if args.probe_share <= 0:
+            parser.error("--probe-share: a share of the parked time, above 0")
         set_probe_share(args.probe_share)
     # Before anything is evaluated on the device (a module's weights take
     # their random keys when it is built).
@@ -208,7 +214,8 @@ def main():
                         first = len(stats.history)
                         spec_tps, _, stamps, rounds = throughput(speculative, stats.history)
                         generations.append((stats.history[first:], stamps[0], rounds))
-                        runs.append((plain_tps, spec_tps, t_verify, t_draft))
+                        tau_pair = statistics.mean(r.acceptance_length for r in stats.history[first:])
+                        runs.append((plain_tps, spec_tps, t_verify, t_draft, tau_pair))
                     phase_ms = phases(
                         model, drafter, prompt, args.max_tokens, drafter.block_size, scheduler
                     )
@@ -229,7 +236,7 @@ def main():
                     "speedup": round(speedup, 3),
                     "speedup_range": [round(ratios[0], 3), round(ratios[-1], 3)],
                     "plain_vs_plain_range": [round(plain_noise[0], 3), round(plain_noise[-1], 3)],
-                    **bounds(runs, stats.tau),
+                    **bounds(runs),
                     "round_phase_ms": phase_ms,
                     # What the scheduler verified: rounds by drafts verified
                     # (0: a plain decode step, parked).
@@ -251,7 +258,7 @@ def main():
                     "launch_settings": launch,
                     "shapes": f"gemma-4-12b/{args.scale}",
                 }
-                if args.probe_share:
+                if args.probe_share is not None:
                     record["probe_share"] = policy.PROBE_SHARE
                     record["reprobe_at_most"] = policy.REPROBE_AT_MOST
                 line = json.dumps(record)

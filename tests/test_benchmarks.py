@@ -177,19 +177,41 @@ def test_paired_splits_the_time_lost_by_kind_of_round(bench):
 
 
 def test_paired_reads_each_pairs_bound_against_its_own_timings(bench):
-    """A machine that changes speed mode between pairs (the middle pair runs
-    everything 1.5x slower) changes neither the bound's share nor its
-    spread: each pair's speedup is read against the bound from its own
-    plain run and component timings, not from timings of another mode
-    (which would read the slow pair at 0.63 of its bound)."""
+    """Each pair's speedup is read against the bound from its own plain run,
+    component timings and tau: the middle pair ran everything 1.5x slower (a
+    change of speed mode), the last accepted less. Their quotients (0.90,
+    1.00, 1.20) are neither pooled (0.96) nor read against the first pair's
+    timings (the slow pair at 0.67)."""
     paired = bench("paired")
-    fast = (100.0, 190.0, 0.020, 0.005)  # tau 5: bound 2.0, speedup 1.9
-    slow = (100.0 / 1.5, 190.0 / 1.5, 0.030, 0.0075)
-    report = paired.bounds([fast, slow, fast], tau=5.0)
+    fast = (100.0, 180.0, 0.020, 0.005, 5.0)  # bound 2.0, speedup 1.8
+    slow = (100.0 / 1.5, 200.0 / 1.5, 0.030, 0.0075, 5.0)  # bound 2.0, speedup 2.0
+    poor = (100.0, 192.0, 0.020, 0.005, 4.0)  # bound 1.6, speedup 1.92
+    report = paired.bounds([fast, slow, poor])
     assert report["bound_speedup"] == pytest.approx(2.0)
-    assert report["speedup_over_bound"] == pytest.approx(0.95)
-    assert report["speedup_over_bound_range"] == pytest.approx([0.95, 0.95])
+    assert report["speedup_over_bound"] == pytest.approx(1.0)
+    assert report["speedup_over_bound_range"] == pytest.approx([0.9, 1.2])
     assert (report["t_verify_ms"], report["t_draft_ms"]) == pytest.approx((20.0, 5.0))
+
+
+def test_paired_times_the_components_before_each_pair(bench, monkeypatch, tmp_path):
+    """Two pairs, two timings of the draft and the verify, each pair's own."""
+    paired = bench("paired")
+    timings = iter([(0.010, 0.002), (0.020, 0.004)])
+    calls = []
+
+    def components(*args):
+        calls.append(args)
+        return next(timings)
+
+    monkeypatch.setattr(paired, "components", components)
+    out = tmp_path / "paired.jsonl"
+    argv = ["paired.py", "--scale", "16", "--context", "32", "--taus", "3.3", "--max-tokens", "4"]
+    argv += ["--pairs", "2", "--drafters", "dspark", "--target-bits", "4", "--out", str(out)]
+    monkeypatch.setattr("sys.argv", argv)
+    paired.main()
+    row = json.loads(out.read_text())
+    assert len(calls) == 2
+    assert (row["t_verify_ms"], row["t_draft_ms"]) == pytest.approx((15.0, 3.0))
 
 
 def test_paired_probe_share_binds_the_policys_probes_not_its_cap(bench, monkeypatch):
@@ -208,6 +230,8 @@ def test_paired_probe_share_binds_the_policys_probes_not_its_cap(bench, monkeypa
     paired.set_probe_share(0.01)
     assert (policy.PROBE_SHARE, policy.REPROBE_AT_MOST) == (0.01, 1024)
     assert policy.reprobe_every(0.019, 0.010, 2) == 512
+    paired.set_probe_share(0.03)  # from the policy's own, not the last share set
+    assert (policy.PROBE_SHARE, policy.REPROBE_AT_MOST) == (0.03, 256)
 
 
 def test_paired_refuses_two_target_precisions_in_one_process(bench, monkeypatch, capsys):
