@@ -2985,3 +2985,81 @@ def test_cost_profiles_are_found_again_whatever_memory_is_free(monkeypatch):
         return RoundTimer(model, drafter, 4, None, None, batch=0).key
 
     assert key() == key()
+
+
+H200_BF16 = RoundCosts(0.005, [ms / 1000 for ms in (12.8, 15.7, 15.8, 15.9, 16.1, 16.4, 16.0, 16.1)])
+
+
+def test_a_padded_round_pays_what_rounds_of_its_width_took_beyond_their_costs():
+    """On the H200's flat bf16 curve every count of drafts pads to 7; rounds
+    of 7 took 30 ms beyond their measured costs, so every count pays that
+    (``beyond`` by the width verified, not by the drafts judged) and plain
+    decoding wins."""
+    width = lambda k: round_width(k, 7, H200_BF16)  # noqa: E731
+    assert [width(k) for k in range(1, 8)] == [7] * 7
+    assert best_drafts([[0.6] * 7], [7], H200_BF16, width=width, beyond={7: 0.030}) == 0
+
+
+def test_a_count_of_drafts_is_weighed_for_forget_after_rounds_and_no_longer():
+    """What rounds of 2 drafts took beyond the drafting overhead counts
+    while at most ``FORGET_AFTER`` drafting rounds were timed since the
+    last of them, and is forgotten at the next."""
+    policy = BatchPolicy(lambda batch, depth: H200_BF16)
+    policy.overheads = {(1, True): 0.0, (1, False): 0.0}
+    policy._by_drafts[1, 2].append(0.004)
+    policy._timed_at[1, 2] = 0
+    policy._timed[1] = FORGET_AFTER
+    assert policy.beyond(1) == pytest.approx({2: 0.004})
+    policy._timed[1] += 1
+    assert policy.beyond(1) == {}
+
+
+def test_a_change_of_batch_size_alone_is_learnt_as_a_change_of_shape():
+    """Requests come and go in a server: a round back at 4 rows after rounds
+    of 3, with the same drafts, that takes 30 ms longer teaches what a
+    change of shape costs, not that rounds at 4 rows are slower."""
+    costs = RoundCosts(0.002, [0.010] * 5)
+    policy = BatchPolicy(lambda batch, depth: costs)
+
+    def round_(batch, extra=0.0):
+        k = policy.choose([[0.6] * 4] * batch, [4] * batch, 100)
+        assert k == 4
+        policy.observe(costs.verify[k] + costs.draft + extra)
+
+    for batch in (4, 3):
+        for _ in range(WARM_ROUNDS + 1):
+            round_(batch)
+    round_(4, 0.030)
+    assert policy.switch_cost == pytest.approx(0.030)
+    assert policy.overheads[4, True] == 0.0
+
+
+def test_of_two_batch_sizes_as_near_the_smaller_lends_its_overheads():
+    """A batch of 3 has overheads of its own from neither 2 nor 4: it takes
+    2's (no overhead), not 4's (50 ms a drafting round), and drafts."""
+    costs = RoundCosts(0.002, [0.010] * 5)
+    policy = BatchPolicy(lambda batch, depth: costs)
+    policy.overheads = {(2, True): 0.0, (2, False): 0.0, (4, True): 0.050, (4, False): 0.0}
+    assert policy._overheads(3) == (0.0, 0.0)
+    assert policy.choose([[0.6] * 4] * 3, [4] * 3, 100) == 4
+
+
+def test_one_cheap_change_of_shape_does_not_make_changes_free():
+    """Changes of shape that took 50, 50 and 0 ms: a change costs their
+    median, 50 ms, not the last one's nothing."""
+    costs = RoundCosts(0.002, [0.100, 0.101, 0.102, 0.103, 0.104])
+    policy = BatchPolicy(lambda batch, depth: costs)
+    last = [None]
+
+    def round_(cap, extra=0.0):
+        k = policy.choose([[0.99] * 4], [cap], 100)
+        changed = last[0] not in (None, k)
+        policy.observe(costs.verify[k] + costs.draft + (extra if changed else 0.0))
+        last[0] = k
+        return k
+
+    for cap in [3] * (WARM_ROUNDS + 1) + [2] * (WARM_ROUNDS + 1):
+        round_(cap)
+    for cap, extra in zip([3, 2, 3], [0.050, 0.050, 0.0]):
+        assert round_(cap, extra) == cap
+    assert policy.switch_cost == pytest.approx(0.050)
