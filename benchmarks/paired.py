@@ -3,9 +3,11 @@
 On a machine whose speed drifts between runs (a shared GPU host), ratios of
 separate runs mislead. Here each plain run is followed at once by a
 speculative run on the same model and prompt, and the report gives the median
-(and range) of the per-pair ratios, next to ``bound_speedup = tau * T_decode /
-(T_verify(k+1) + T_draft)``, each pair's own: its components are timed just
-before its plain run (``bounds``).
+(and range) of the per-pair ratios, next to ``bound_speedup = max(1, tau *
+T_decode / (T_verify + T_draft))``, each pair's own: its components are timed
+just before its plain run, the verify at the row count the engine pads to
+(``speculative.components``), and tau is its drafting rounds' (``bounds``,
+``drafted_tau``).
 
 Acceptance is replayed (see ``speculative.replayed_acceptance``): wall-clock
 is real, acceptance follows the paper's profiles (Table 1 Gemma-4-12B DSpark:
@@ -67,8 +69,10 @@ def bounds(pairs) -> dict:
     plain throughput, component timings and tau: on an H100 that changed
     speed mode from run to run, components timed once at a drafter's start
     and plain runs timed later gave quotients of 0.82-1.20 for rounds alike.
-    ``pairs``: ``(plain_tps, spec_tps, t_verify, t_draft, tau)`` per pair."""
-    bound = [tau / plain / (verify + draft) for plain, _, verify, draft, tau in pairs]
+    ``pairs``: ``(plain_tps, spec_tps, t_verify, t_draft, tau)`` per pair.
+    Never under 1: where drafting every round is slower, plain decoding (a
+    parked round) is the best a round can do."""
+    bound = [max(1.0, tau / plain / (verify + draft)) for plain, _, verify, draft, tau in pairs]
     share = sorted(spec / plain / b for (plain, spec, *_), b in zip(pairs, bound))
     return {
         "bound_speedup": round(statistics.median(bound), 3),
@@ -77,6 +81,15 @@ def bounds(pairs) -> dict:
         "t_verify_ms": round(1000 * statistics.median(p[2] for p in pairs), 2),
         "t_draft_ms": round(1000 * statistics.median(p[3] for p in pairs), 2),
     }
+
+
+def drafted_tau(rounds, replayed: float) -> float:
+    """A pair's tokens per drafting round, for its bound: over its rounds
+    that drafted where they are at least half of them, else the ``replayed``
+    tau (a parked pair's few probes say little, and its parked rounds'
+    one token each would put the bound under plain decoding)."""
+    drafted = [r.acceptance_length for r in rounds if r.drafts]
+    return statistics.mean(drafted) if 2 * len(drafted) >= len(rounds) > 0 else replayed
 
 
 POLICY_PROBES = (policy.PROBE_SHARE, policy.REPROBE_AT_MOST)
@@ -214,7 +227,7 @@ def main():
                         first = len(stats.history)
                         spec_tps, _, stamps, rounds = throughput(speculative, stats.history)
                         generations.append((stats.history[first:], stamps[0], rounds))
-                        tau_pair = statistics.mean(r.acceptance_length for r in stats.history[first:])
+                        tau_pair = drafted_tau(stats.history[first:], tau)
                         runs.append((plain_tps, spec_tps, t_verify, t_draft, tau_pair))
                     phase_ms = phases(
                         model, drafter, prompt, args.max_tokens, drafter.block_size, scheduler

@@ -34,6 +34,7 @@ from mlx_lm.generate import generate_step
 
 import mlx_dspark
 from mlx_dspark.batching.generator import SpeculativeBatchGenerator
+from mlx_dspark.confidence.costs import RoundCosts, verify_rows
 from mlx_dspark.doctor import conditional_for_tau
 from mlx_dspark.drafters.base import Proposal
 from mlx_dspark.progress import progress
@@ -119,24 +120,31 @@ def replayed_acceptance(tau: float, block_size: int, seed: int = 0):
 
 
 def components(model, drafter, prompt, num_drafts):
-    """T_verify(k+1) and T_draft at the prompt's context depth (seconds)."""
+    """T_verify and T_draft at the prompt's context depth (seconds), the
+    verify at the row count the engine pads ``num_drafts + 1`` tokens to
+    (``RoundCosts.cheapest_rows`` over the row counts it measures): on a
+    4-bit target on MLX-CUDA 7 rows cost about twice what 8 do, and a bound
+    timed at 7 was half what the engine could reach."""
     # Timed before each pair: the pair before's freed caches, kept for
     # reuse, left no room for these at context 8192 on an H100's 80 GB.
     mx.clear_cache()
     target = adapt_target(model, drafter)
-    target_cache = target.make_cache(num_drafts + 1)
+    most = verify_rows(num_drafts)
+    target_cache = target.make_cache(most)
     draft_cache = drafter.make_cache()
     out = target(prompt[None], target_cache, drafter.taps)
     drafter.commit(draft_cache, out.hidden)
     mx.eval([c.state for c in target_cache + draft_cache])
     anchor = mx.array(7, mx.uint32)
-    verify_ids = mx.array([7] * (num_drafts + 1), mx.uint32)[None]
 
-    def verify():
-        out = target(verify_ids, target_cache, drafter.taps)
-        for c in target_cache:
-            c.trim(num_drafts + 1)
-        return out.logits, out.hidden
+    def verify(rows):
+        def run():
+            out = target(mx.array([7] * rows, mx.uint32)[None], target_cache, drafter.taps)
+            for c in target_cache:
+                c.trim(rows)
+            return out.logits, out.hidden
+
+        return run
 
     def draft():
         proposal = drafter.propose(
@@ -144,7 +152,12 @@ def components(model, drafter, prompt, num_drafts):
         )
         return proposal.tokens, proposal.confidence
 
-    return seconds(verify), seconds(draft)
+    # Each row count from the round's own up, briefly: only the one the
+    # engine's rule picks is timed in full.
+    tokens = num_drafts + 1
+    quick = [seconds(verify(rows), repeats=3, warmup=1) for rows in range(tokens, most + 1)]
+    rows = RoundCosts(0.0, [quick[0]] * (tokens - 1) + quick).cheapest_rows(tokens)
+    return seconds(verify(rows)), seconds(draft)
 
 
 def phases(model, drafter, prompt, max_tokens, num_drafts, scheduler=None):

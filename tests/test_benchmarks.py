@@ -193,6 +193,57 @@ def test_paired_reads_each_pairs_bound_against_its_own_timings(bench):
     assert (report["t_verify_ms"], report["t_draft_ms"]) == pytest.approx((20.0, 5.0))
 
 
+def test_paired_bound_is_never_under_plain_decoding(bench):
+    """A pair whose drafting every round would be slower than plain decoding
+    (tau 3 at 40 ms a round against 10 ms a token: 0.75x) is read against
+    plain decoding, which a parked round reaches, not against 0.75x."""
+    paired = bench("paired")
+    parked = (100.0, 98.0, 0.035, 0.005, 3.0)
+    report = paired.bounds([parked])
+    assert report["bound_speedup"] == pytest.approx(1.0)
+    assert report["speedup_over_bound"] == pytest.approx(0.98)
+
+
+def test_paired_bound_reads_the_tau_of_the_drafting_rounds(bench):
+    """A pair that drafted in half its rounds or more is read at its drafting
+    rounds' tau (its parked rounds' single tokens left out); one that drafted
+    in fewer, at the replayed tau (two probes say little)."""
+    paired = bench("paired")
+
+    def r(drafts, accepted):
+        return Round(0, 0, [1] * drafts, None, drafts, accepted, 2)
+
+    half = [r(6, 3), r(0, 0), r(6, 1), r(0, 0)]
+    assert paired.drafted_tau(half, 3.3) == pytest.approx(3.0)
+    probes = [r(6, 6), r(6, 6)] + [r(0, 0)] * 5
+    assert paired.drafted_tau(probes, 3.3) == pytest.approx(3.3)
+
+
+def test_components_time_the_verify_at_the_row_count_the_engine_pads_to(
+    bench, tiny_pair, monkeypatch
+):
+    """On a jagged cost curve (5-7 rows 50 ms, 8 or more 29 ms, as a 4-bit
+    target's on MLX-CUDA) the bound's verify of 4 drafts is the 8 rows the
+    engine pads them to, not the 5 rows of the round itself."""
+    speculative = bench("speculative")
+    model, _, drafter = tiny_pair
+    timed = []
+
+    def seconds(fn, repeats=10, warmup=2):
+        first, _ = fn()
+        if first.ndim == 3:  # a verify's logits: (1, rows, vocabulary)
+            rows = first.shape[1]
+            timed.append((rows, repeats))
+            return 0.050 if rows < 8 else 0.029
+        return 0.002
+
+    monkeypatch.setattr(speculative, "seconds", seconds)
+    prompt = mx.array([5, 6, 7, 8, 9, 10], mx.uint32)
+    t_verify, t_draft = speculative.components(model, drafter, prompt, 4)
+    assert (t_verify, t_draft) == (0.029, 0.002)
+    assert timed[-1] == (8, 10)
+
+
 def test_paired_times_the_components_before_each_pair(bench, monkeypatch, tmp_path):
     """Two pairs, two timings of the draft and the verify, each pair's own."""
     paired = bench("paired")
