@@ -319,3 +319,17 @@ def test_the_table_reads_each_paired_row_against_the_issues_goal(bench):
     assistant = dict(row, target_bits=4, drafter="assistant", speedup=1.1)
     assert table.verdicts(assistant) == ["under 1.2x"]
     assert table.verdicts(dict(assistant, replayed_tau=6.0)) == []
+
+
+def test_quantized_rows_reads_a_forward_against_one_row(bench, capsys):
+    """A forward's matmuls are each timed shape's per layer (timed over its
+    weight copies) times the depth, plus the head once; each row count is
+    read against one row. The script runs end to end at a small scale."""
+    quantized_rows = bench("quantized_rows")
+    report = {"q_proj": {1: 2.0, 8: 6.0}, "down_proj": {1: 2.0, 8: 2.0}, "lm_head": {1: 1.0, 8: 3.0}}
+    # Per layer (two copies timed): 2 ms at one row, 4 ms at 8; ten layers.
+    forward = quantized_rows.rows_against_one(report, layers=2, depth=10)
+    assert forward == {1: {"ms": 21.0, "vs_one_row": 1.0}, 8: {"ms": 43.0, "vs_one_row": round(43 / 21, 3)}}
+    quantized_rows.main(["--scale", "60", "--layers", "1", "--rows", "1", "2", "--repeats", "1", "--bits", "4"])
+    line = json.loads(capsys.readouterr().out)
+    assert (line["bits"], sorted(line["forward"]), line["forward"]["1"]["vs_one_row"]) == (4, ["1", "2"], 1.0)
