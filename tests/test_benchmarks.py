@@ -333,3 +333,29 @@ def test_quantized_rows_reads_a_forward_against_one_row(bench, capsys):
     quantized_rows.main(["--scale", "60", "--layers", "1", "--rows", "1", "2", "--repeats", "1", "--bits", "4"])
     line = json.loads(capsys.readouterr().out)
     assert (line["bits"], sorted(line["forward"]), line["forward"]["1"]["vs_one_row"]) == (4, ["1", "2"], 1.0)
+
+
+def test_pacing_sim_reads_drafting_every_round_and_the_engines_pacing(bench, tmp_path):
+    """The simulation's profile is read at its deepest bucket measured in
+    full; drafting every round is the replayed tau's tokens over a round's
+    padded verify, draft and extra time; the pacing itself (the engine's)
+    parks where drafting never pays and drafts where it pays by half."""
+    pacing_sim = bench("pacing_sim")
+    flat = [0.010] + [0.018] * 15  # bf16-like: 8 rows cost what 2 do
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({
+        "2048": {"draft": 0.004, "verify": flat, "drafts": 7},
+        "4096": {"draft": 0.004, "verify": flat[:2], "drafts": 7, "next_length": 3},  # under way
+    }))
+    costs = pacing_sim.load_costs(profile, None)
+    assert costs.verify == flat and costs.drafts == 7
+    base = ["--profile", str(profile), "--plain-ms", "10", "--drafting-extra-ms", "2",
+            "--spread", "0", "--generations", "3", "--seeds", "2"]
+    pays = pacing_sim.main(base + ["--taus", "6"])
+    # 6 tokens a round of 18 + 4 + 2 ms against 10 ms a token.
+    assert pays["fixed_vs_plain"] == pytest.approx(6 * 10 / 24, rel=1e-3)
+    assert pays["drafted_share"] > 0.9
+    assert pays["paced_vs_plain"] > 0.9 * pays["fixed_vs_plain"]
+    never = pacing_sim.main(base + ["--taus", "1.3"])
+    assert never["fixed_vs_plain"] < 0.6
+    assert never["drafted_share"] < 0.15 and never["paced_vs_plain"] > 0.85
