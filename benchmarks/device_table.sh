@@ -9,7 +9,9 @@
 # At 8192 each drafter runs in a process of its own: the three drafters' caches
 # together did not fit an H100's 80 GB. `probes`: the 4-bit chat rows again with
 # a parked stream's probes allowed 0.01 of its time instead of the policy's 0.03
-# (`paired.py --probe-share`), best run in the call after `4bit`.
+# (`paired.py --probe-share`), best run in the call after `4bit`. `kernels`:
+# the 4-bit and bf16 matmuls by rows (`quantized_rows.py`) and the 4-bit
+# verify with q/k/v and gate/up fused (`fused_projections.py`), about 90 s.
 set -euo pipefail
 export PYTHONPATH=~/site
 export MLX_DSPARK_CACHE="${MLX_DSPARK_CACHE:-$HOME/mdc}"
@@ -37,4 +39,10 @@ if [[ $parts == *" 8192 "* ]]; then
         paired --context 8192 --target-bits 16 --drafters "$drafter" --out "$OUT/paired-ctx8192-bf16.jsonl"
     done
 fi
-python3 table.py "$OUT"/paired-*.jsonl > "$OUT/table.md"
+if [[ $parts == *" kernels "* ]]; then
+    python3 quantized_rows.py --out "$OUT/quantized-rows.jsonl"
+    python3 fused_projections.py --bits 4 --rows 1 2 8 16 --out "$OUT/fused-projections.jsonl"
+fi
+if compgen -G "$OUT/paired-*.jsonl" > /dev/null; then
+    python3 table.py "$OUT"/paired-*.jsonl > "$OUT/table.md"
+fi

@@ -359,3 +359,35 @@ def test_pacing_sim_reads_drafting_every_round_and_the_engines_pacing(bench, tmp
     never = pacing_sim.main(base + ["--taus", "1.3"])
     assert never["fixed_vs_plain"] < 0.6
     assert never["drafted_share"] < 0.15 and never["paced_vs_plain"] > 0.85
+
+
+def test_fused_projections_compute_the_same_logits_in_the_same_memory(bench):
+    """The tiny target, 4-bit, with each layer's q/k/v and gate/up fused:
+    the same logits bit for bit (float32, CPU) over a prompt and a verify
+    of 5 rows, and the same weight bytes (the weights moved, not copied)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from conftest import DEEPSPEC_TINY
+
+    fused_projections = bench("fused_projections")
+    model, _ = load(str(DEEPSPEC_TINY / "target_tiny_gemma4"))  # its own: this one is changed
+    bench("shapes").quantize(model, 4)
+
+    def weight_bytes():
+        return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+    def logits():
+        cache = make_prompt_cache(model)
+        prompt = model(mx.array([[3, 17, 42, 7, 99, 5]]), cache=cache)
+        return mx.concatenate([prompt, model(mx.array([[8, 9, 10, 11, 12]]), cache=cache)], axis=1)
+
+    before, bytes_before = logits(), weight_bytes()
+    fused_projections.fuse_projections(model.model)
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_fused.linear, nn.QuantizedLinear)
+    assert isinstance(layer.self_attn.q_proj, fused_projections.Part)
+    assert mx.array_equal(logits(), before)
+    assert weight_bytes() == bytes_before

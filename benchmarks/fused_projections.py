@@ -1,0 +1,143 @@
+"""A target's verify by rows with its attention's q/k/v projections fused
+into one matmul, and its MLP's gate and up projections into another.
+
+On MLX-CUDA a 4-bit matmul of 8-16 rows took 2-2.6x its one-row time where
+it had few output tiles to spread (``quantized_rows.py``; an H100, the 12B's
+k, v, o and down projections), while the same matmuls side by side took no
+longer than one row. A fused projection has more output tiles in one kernel.
+Its outputs are the same dot products: on the CPU, bit for bit. This times
+the 12B-shaped target's verify (on the engine's caches, at ``--context``)
+at each of ``--rows`` as it is and fused, and reports how far the fused
+logits moved. JSON lines to stdout (and ``--out``).
+
+    python fused_projections.py --bits 4 --rows 1 8 16
+"""
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+
+import shapes
+from mlx_dspark.speculative.engine import adapt_target
+from timing import backend, seconds
+
+FUSED = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+
+
+class FusedProjection(nn.Module):
+    """Linear maps of one input as one (quantized alike, or not at all);
+    ``part(i)`` computes the ``i``-th's outputs, the first call for an input
+    computing all of them."""
+
+    def __init__(self, linears):
+        super().__init__()
+        first = linears[0]
+        if isinstance(first, nn.QuantizedLinear):
+            self.linear = nn.QuantizedLinear(
+                first.group_size, first.group_size, bias=False, group_size=first.group_size, bits=first.bits
+            )
+            names = ("weight", "scales", "biases")
+        else:
+            self.linear = nn.Linear(1, 1, bias=False)
+            names = ("weight",)
+        for name in names:
+            setattr(self.linear, name, mx.concatenate([getattr(l, name) for l in linears]))
+        ends = mx.cumsum(mx.array([l.weight.shape[0] for l in linears])).tolist()
+        self.bounds = list(zip([0] + ends[:-1], ends))
+        # Not parameters: the last input and its outputs.
+        self.last = SimpleNamespace(x=None, y=None)
+
+    def outputs(self, x):
+        if self.last.x is not x:
+            self.last.x, self.last.y = x, self.linear(x)
+        return self.last.y
+
+
+class Part(nn.Module):
+    """One of a fused projection's maps (the fused one is its owner's: its
+    weights appear once in the model's parameters)."""
+
+    def __init__(self, fused: FusedProjection, i: int):
+        super().__init__()
+        self.of = SimpleNamespace(fused=fused)
+        self.i = i
+
+    def __call__(self, x):
+        start, end = self.of.fused.bounds[self.i]
+        return self.of.fused.outputs(x)[..., start:end]
+
+
+def fuse_projections(model) -> None:
+    """Each layer's q/k/v (those it has) and gate/up, fused in place: the
+    weights move into the fused projections, so memory stays as it was."""
+    for layer in model.layers:
+        for block, names in FUSED.items():
+            owner = getattr(layer, block)
+            present = [n for n in names if hasattr(owner, n)]
+            fused = FusedProjection([getattr(owner, n) for n in present])
+            setattr(owner, "_".join(n.removesuffix("_proj") for n in present) + "_fused", fused)
+            for i, name in enumerate(present):
+                setattr(owner, name, Part(fused, i))
+
+
+def verify_ms(target, cache, taps, rows: int) -> float:
+    tokens = mx.array([[7] * rows], mx.uint32)
+
+    def run():
+        out = target(tokens, cache, taps)
+        for c in cache:
+            c.trim(rows)
+        return out.logits, out.hidden
+
+    return 1000 * seconds(run)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bits", type=int, default=4, choices=[4, 8, 16])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 16])
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--scale", type=int, default=1, choices=[1, 2, 4], help="shrink the 12B shapes")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    model = shapes.make_target(args.scale, bits=None if args.bits == 16 else args.bits)
+    drafter = shapes.make_drafter(args.scale)
+    target = adapt_target(model, drafter)
+    cache = target.make_cache(max(args.rows))
+    prompt = mx.random.randint(5, model.args.vocab_size, (1, args.context)).astype(mx.uint32)
+    mx.eval(target(prompt, cache, drafter.taps).logits)
+    mx.eval([c.state for c in cache])
+
+    def logits(rows):
+        out = target(mx.array([[7] * rows], mx.uint32), cache, drafter.taps)
+        mx.eval(out.logits)
+        for c in cache:
+            c.trim(rows)
+        return out.logits.astype(mx.float32)
+
+    before = {rows: verify_ms(target, cache, drafter.taps, rows) for rows in args.rows}
+    reference = logits(max(args.rows))
+    fuse_projections(model.model)
+    mx.eval(model.parameters())
+    after = {rows: verify_ms(target, cache, drafter.taps, rows) for rows in args.rows}
+    line = {
+        "bits": args.bits,
+        "backend": backend(),
+        "mlx": mx.__version__,
+        "context": args.context,
+        "verify_ms": {rows: round(before[rows], 2) for rows in args.rows},
+        "fused_verify_ms": {rows: round(after[rows], 2) for rows in args.rows},
+        "fused_logits_max_change": float(mx.abs(logits(max(args.rows)) - reference).max()),
+    }
+    print(json.dumps(line), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    return line
+
+
+if __name__ == "__main__":
+    main()
