@@ -28,16 +28,19 @@ FUSED = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_p
 
 
 class FusedProjection(nn.Module):
-    """Linear maps of one input as one (quantized alike, or not at all);
-    ``part(i)`` computes the ``i``-th's outputs, the first call for an input
-    computing all of them."""
+    """Linear maps of one input, without biases, as one (quantized alike, or
+    not at all); its parts' first call for an input computes all of their
+    outputs, and the last one's lets them go."""
 
     def __init__(self, linears):
         super().__init__()
         first = linears[0]
+        if any("bias" in linear for linear in linears):
+            raise ValueError("fuses projections without biases only")
         if isinstance(first, nn.QuantizedLinear):
+            size = first.group_size
             self.linear = nn.QuantizedLinear(
-                first.group_size, first.group_size, bias=False, group_size=first.group_size, bits=first.bits
+                size, size, bias=False, group_size=size, bits=first.bits, mode=first.mode
             )
             names = ("weight", "scales", "biases")
         else:
@@ -45,15 +48,22 @@ class FusedProjection(nn.Module):
             names = ("weight",)
         for name in names:
             setattr(self.linear, name, mx.concatenate([getattr(l, name) for l in linears]))
+        # Made now, one layer at a time: the weights it replaces go as it does.
+        mx.eval(self.linear.parameters())
         ends = mx.cumsum(mx.array([l.weight.shape[0] for l in linears])).tolist()
         self.bounds = list(zip([0] + ends[:-1], ends))
-        # Not parameters: the last input and its outputs.
-        self.last = SimpleNamespace(x=None, y=None)
+        # Not parameters: the last input, its outputs, and the parts that read them.
+        self.last = SimpleNamespace(x=None, y=None, read=0)
 
     def outputs(self, x):
-        if self.last.x is not x:
-            self.last.x, self.last.y = x, self.linear(x)
-        return self.last.y
+        last = self.last
+        if last.x is not x:
+            last.x, last.y, last.read = x, self.linear(x), 0
+        y = last.y
+        last.read += 1
+        if last.read == len(self.bounds):
+            last.x = last.y = None
+        return y
 
 
 class Part(nn.Module):

@@ -63,13 +63,14 @@ def load_costs(path: Path, depth: int) -> RoundCosts:
     entries = json.loads(path.read_text())
     full = {int(k): v for k, v in entries.items() if "next_length" not in v}  # not under way
     entry = entries[str(depth)] if depth else full[max(full)]
-    return RoundCosts(entry["draft"], entry["verify"], drafts=entry.get("drafts"))
+    return RoundCosts(entry["draft"], entry["verify"], entry.get("draft_one"), entry.get("drafts") or 1)
 
 
 def simulate(costs, drafts, taus, plain, extra, after_parked, spread, generations, tokens, seed):
     """(plain decoding's time over the paced stream's, and over drafting
-    every round's; the share of rounds that drafted) over ``generations``
-    of ``tokens`` tokens each, after one uncounted."""
+    every round's as ``fixed`` does, unpadded; the share of rounds that
+    drafted) over ``generations`` of ``tokens`` tokens each, after one
+    uncounted."""
     draws = random.Random(seed)
     clock = Clock()
     scheduler = table_scheduler(costs, clock)
@@ -107,8 +108,9 @@ def simulate(costs, drafts, taus, plain, extra, after_parked, spread, generation
         if g:
             paced += spent
             plain_time += made * plain
-            # Drafting every round at this acceptance, as ``fixed`` does.
-            every = padded.verify[drafts] + padded.drafting(drafts) + extra
+            # Drafting every round at this acceptance, as ``fixed`` does
+            # (which verifies the round's own rows, unpadded).
+            every = costs.verify[drafts] + costs.drafting(drafts) + extra
             fixed += made / tau_of(kept, drafts) * every
     return plain_time / paced, plain_time / fixed, drafted / rounds
 

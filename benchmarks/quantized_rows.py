@@ -2,12 +2,15 @@
 every linear layer on ``k + 1`` rows where a plain step runs it on one.
 
 For each row count, the Gemma-4-12B layer's linear shapes (attention
-projections, the MLP, the tied output head) over ``--layers`` layers of
-distinct weights, so that the weights are read from device memory as in a
-forward (many times the GPU's cache), not from its cache. Each shape is
+projections, the MLP, the tied output head), each over distinct weight
+copies whose bytes come to at least four times ``--cache-mb`` (the GPU's
+last-level cache: 50 MB on an H100, 60 on an H200), so that the weights are
+read from device memory as in a forward, not from the cache. Each shape is
 timed 4-bit (MLX's affine quantization, group 64, as
 ``mlx-community/gemma-4-12b-it-4bit``) and bf16, each row count against one
-row of the same precision. JSON lines to stdout (and ``--out``).
+row of the same precision (each shape in ms per copy, so against the
+forward's own verify the sums run high: one row's is each launch's cost).
+JSON lines to stdout (and ``--out``).
 
 On MLX-CUDA a 4-bit verify of 8 rows cost about three plain steps where a
 bf16 one cost 1.3 (``results/h200-verify-cost-profiles-s34``); this says
@@ -68,7 +71,7 @@ def chained(x, made: list, bits: int):
     4-bit 12B's MLPs at 8 rows took 5.4 ms side by side where a forward's
     took about 20 ms more than at one row)."""
     for w in made:
-        x = x + 0 * matmul(x, w, bits)[..., :1]
+        x = mx.depends(x, matmul(x, w, bits))
     return x
 
 
@@ -83,27 +86,33 @@ def seconds(fn, repeats: int) -> float:
     return statistics.median(times[2:])
 
 
-def measure(shapes: dict, rows: list, layers: int, bits: int, repeats: int) -> dict:
-    """Milliseconds of each shape's matmuls over ``layers`` weight copies,
-    by row count (the head once)."""
+def copies_beyond(cache_bytes: int, one_copy: int) -> int:
+    """Weight copies whose bytes are at least four times the cache's."""
+    return max(1, -(-4 * cache_bytes // one_copy))
+
+
+def measure(shapes: dict, rows: list, cache_bytes: int, bits: int, repeats: int) -> dict:
+    """Milliseconds of a matmul of each shape, by row count: the mean over
+    weight copies well beyond the cache, each waiting for the one before."""
     report = {}
     for name, (inputs, outputs) in shapes.items():
-        copies = 1 if name == "lm_head" else layers
-        made = weights(inputs, outputs, copies, bits)
+        one = weights(inputs, outputs, 1, bits)[0]
+        copies = copies_beyond(cache_bytes, sum(a.nbytes for a in ([one] if bits == 16 else one)))
+        made = [one] + weights(inputs, outputs, copies - 1, bits)
         report[name] = {}
         for m in rows:
             x = mx.random.normal((1, m, inputs)).astype(mx.bfloat16)
             mx.eval(x)
-            report[name][m] = 1000 * seconds(lambda: chained(x, made, bits), repeats)
-        del made
+            report[name][m] = 1000 * seconds(lambda: chained(x, made, bits), repeats) / copies
+        del one, made
         mx.clear_cache()
     return report
 
 
-def rows_against_one(report: dict, layers: int, depth: int) -> dict:
-    """A forward's matmuls (``depth`` layers, the head once) by row count,
-    in ms and against one row."""
-    per_layer = {m: sum(v[m] for k, v in report.items() if k != "lm_head") / layers for m in report["lm_head"]}
+def rows_against_one(report: dict, depth: int) -> dict:
+    """A forward's matmuls (``depth`` layers of each shape's, the head once)
+    by row count, in ms and against one row."""
+    per_layer = {m: sum(v[m] for k, v in report.items() if k != "lm_head") for m in report["lm_head"]}
     forward = {m: depth * per_layer[m] + report["lm_head"][m] for m in per_layer}
     one = forward[min(forward)]
     return {m: {"ms": round(ms, 3), "vs_one_row": round(ms / one, 3)} for m, ms in forward.items()}
@@ -112,7 +121,7 @@ def rows_against_one(report: dict, layers: int, depth: int) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 32])
-    parser.add_argument("--layers", type=int, default=8, help="distinct weight copies per shape")
+    parser.add_argument("--cache-mb", type=int, default=60, help="the GPU's last-level cache")
     parser.add_argument("--depth", type=int, default=48, help="layers of the forward reported")
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--scale", type=int, default=1, help="divide the widths (a quick run)")
@@ -124,13 +133,13 @@ def main(argv=None):
     shapes = layer_shapes(args.scale)
     lines = []
     for bits in args.bits:
-        report = measure(shapes, sorted(args.rows), args.layers, bits, args.repeats)
+        report = measure(shapes, sorted(args.rows), args.cache_mb << 20, bits, args.repeats)
         lines.append({
             "bits": bits,
             "backend": backend(),
             "mlx": mx.__version__,
-            "layers_timed": args.layers,
-            "forward": rows_against_one(report, args.layers, args.depth),
+            "cache_mb": args.cache_mb,
+            "forward": rows_against_one(report, args.depth),
             "shapes_ms": {name: {m: round(ms, 4) for m, ms in by_rows.items()} for name, by_rows in report.items()},
         })
         print(json.dumps(lines[-1]), flush=True)
