@@ -997,3 +997,30 @@ def test_a_cost_chosen_per_call_goes_on_from_what_the_default_learnt():
     assert acceptance.verified != learnt and policy.drafting + policy.parked > rounds
     assert list(default.paced_policies.values()) == [policy]
     assert isinstance(scheduler_for("fixed", drafter), FixedScheduler)
+
+
+def test_a_generation_does_not_park_on_its_first_unlucky_round():
+    """A drafter whose recent generations kept 6 of 7 drafts a round (plain
+    rounds 10 ms, drafting ones 34: breaking even at 3.4 tokens). A new
+    generation whose first round keeps none is not parked on that one round
+    (its own estimate, with a prior of 2 rounds, falls to about 2.5 tokens):
+    its first 3 rounds (``YOUNG_ROUNDS``) go by the better of its own rates
+    and its drafter's. One that keeps none in every round parks after those
+    3, no later."""
+    curve = [0.010] + [0.030] * 15
+    scheduler = TableCostScheduler(None, 0.004, curve)
+    first = Pacing(scheduler, None, 7)
+    for _ in range(60):
+        first.update(first.drafts(7, 2048), 6)
+    unlucky = Pacing(scheduler, None, 7)
+    choices = []
+    for accepted in [0, 7, 6, 7, 6, 7]:
+        choices.append(unlucky.drafts(7, 2048))
+        unlucky.update(choices[-1], accepted if choices[-1] else 0)
+    assert choices == [7] * 6
+    poor = Pacing(scheduler, None, 7)
+    choices = []
+    for _ in range(6):
+        choices.append(poor.drafts(7, 2048))
+        poor.update(choices[-1], 0)
+    assert choices == [7, 7, 7, 0, 0, 0]
