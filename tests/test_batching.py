@@ -2652,6 +2652,52 @@ def test_a_joining_sequence_starts_from_the_drafters_recent_acceptance():
     assert policy.rates[0] == [pytest.approx(learned)]
 
 
+def test_a_requests_first_unlucky_round_does_not_park_the_server(monkeypatch):
+    """As for a single stream (``test_pacing``): the drafter's recent
+    requests kept every draft, and drafting rounds (30 ms, on an injected
+    clock) pay against plain ones (10 ms) above 3 tokens a round. A new
+    request whose first round keeps none (its own estimate falls to about
+    2.4 tokens) is not parked on that round: its first 3 rounds
+    (``YOUNG_ROUNDS``) go by the better of its own rates and the drafter's,
+    and it drafts until the policy's routine plain probe. One that keeps
+    none in every round parks after those 3, no later. (Only the kept
+    counts the policy learns from are forced; the tokens are the target's.)"""
+    model, drafter = trained("gemma4")
+    n = drafter.max_draft_tokens
+    costs = RoundCosts(draft=0.002, verify=[0.010] + [0.028] * n)
+    clock = Clock()
+    monkeypatch.setattr(generator_module, "time", clock)
+
+    def choices(kept):
+        generator = SpeculativeBatchGenerator(
+            model, drafter, policy=BatchPolicy(lambda batch, depth: costs), pipeline=False
+        )
+        for _ in range(60):
+            generator._recent.update(n, n)
+        collect, record, choose = generator._collect, generator._record, generator.policy.choose
+        kept, chosen = iter(kept), []
+
+        def timed_collect(launched, reuse):
+            clock.now += costs.verify[launched.k] + (costs.draft if launched.k else 0.0)
+            return collect(launched, reuse)
+
+        def forced_record(s, proposed, accepted, *args):
+            return record(s, proposed, next(kept, n) if proposed else 0, *args)
+
+        def recorded_choose(*args, **kwargs):
+            chosen.append(choose(*args, **kwargs))
+            return chosen[-1]
+
+        monkeypatch.setattr(generator, "_collect", timed_collect)
+        monkeypatch.setattr(generator, "_record", forced_record)
+        monkeypatch.setattr(generator.policy, "choose", recorded_choose)
+        run(generator, [(0, [5, 6, 7, 8, 9], dict(max_tokens=[40]))])
+        return chosen
+
+    assert choices([0])[:15] == [n] * 15
+    assert choices([0] * 40)[:6] == [n, n, n, 0, 0, 0]
+
+
 def test_rounds_of_few_drafts_slower_than_measured_do_not_keep_the_policy_at_few():
     """Drafting rounds of 2 drafts take 6.5-9 ms beyond their measured costs,
     rounds of 6 only 2.5 ms (the measured drafting cost grows faster with

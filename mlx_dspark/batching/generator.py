@@ -686,7 +686,7 @@ class SpeculativeBatchGenerator:
         finished ones verify none, but count in the batch's size)."""
         live = [s for s in rows.sequences if not s.finished]
         caps = [max(0, min(s.num_draft_tokens, s.remaining - 1)) for s in live]
-        rates = [s.acceptance.rates() for s in live]
+        rates = [s.acceptance.round_rates(cap) for s, cap in zip(live, caps)]
         depth = max(len(s.tokens) for s in rows.sequences)
         most = max((s.num_draft_tokens for s in live), default=0)
         k = self.policy.choose(rates, caps, depth, batch=len(rows), most=most)

@@ -35,7 +35,7 @@ no logit).
 import threading
 from collections import deque
 
-from ..batching.policy import Acceptance, BatchPolicy, expected_tokens
+from ..batching.policy import Acceptance, BatchPolicy
 from ..confidence.calibration import kept_rates
 from ..confidence.costs import VERIFIES_MEASURED_PER_ROUND
 from ..confidence.schedulers import CostScheduler
@@ -49,17 +49,6 @@ from ..confidence.schedulers import CostScheduler
 # its measured costs, such a stream parks in about a third of its rounds at
 # 0.9 and a tenth at 0.97.
 DECAY = 0.97
-
-# A generation's first rounds are too few to park on: its first this many
-# are chosen by the better of its own rates and those it started from, its
-# drafter's recent ones. A newcomer's rates carry a prior of 2 rounds, so one
-# round that kept none of 7 drafts took a tau-6 generation's estimate to 2.5;
-# it parked, and the loss at that estimate put its next probe 128-256 rounds
-# away, often the rest of the generation. Replayed on the H200's 4-bit DSpark
-# costs (``benchmarks/pacing_sim.py``, 24 seeds) a stream at tau 6 served
-# 1.43x plain decoding, and 1.50x with this; at tau 2.5-4.5, and where
-# acceptance alternated between generations, within 1% of before.
-YOUNG_ROUNDS = 3
 
 # Threads whose streams' policies a scheduler keeps (``_policy``).
 THREADS_KEPT = 16
@@ -76,7 +65,6 @@ class Pacing:
             drafts, Acceptance(drafts, decay=DECAY)
         )
         self.acceptance = self.recent.newcomer()
-        self._rounds = 0  # rounds chosen
         self.policy = _policy(scheduler.paced_policies, (drafts, getattr(timer, "key", None)))
         self._chosen = self.policy.restart()
         self.clock = scheduler.clock
@@ -108,7 +96,7 @@ class Pacing:
             self.policy.costs = lambda _, depth: scheduler.costs(
                 depth, timer, most=VERIFIES_MEASURED_PER_ROUND
             )
-            drafts = self.policy.choose([self._rates(cap)], [cap], depth)
+            drafts = self.policy.choose([self.acceptance.round_rates(cap)], [cap], depth)
         finally:
             self.policy.costs = None
         self._counts.append((before, _counts(self.policy)))
@@ -121,16 +109,6 @@ class Pacing:
             self._read = None
         self._began.append(self.clock())
         return drafts
-
-    def _rates(self, cap: int) -> list:
-        """The rates a round is chosen by: the generation's own, or in its
-        first ``YOUNG_ROUNDS`` rounds, those its drafter's recent rounds gave
-        it to start from where they expect more tokens."""
-        own = self.acceptance
-        self._rounds += 1
-        if self._rounds > YOUNG_ROUNDS:
-            return own.rates()
-        return max(own.rates(), own.prior, key=lambda rates: expected_tokens(rates, cap))
 
     def verifies(self, drafts: int, depth: int, drawn: int) -> None:
         """The round verifies ``drafts`` of the ``drawn`` it drafted (its
