@@ -2668,9 +2668,9 @@ def test_a_requests_first_unlucky_round_does_not_park_the_server(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(generator_module, "time", clock)
 
-    def choices(kept):
+    def choices(kept, pipeline=False):
         generator = SpeculativeBatchGenerator(
-            model, drafter, policy=BatchPolicy(lambda batch, depth: costs), pipeline=False
+            model, drafter, policy=BatchPolicy(lambda batch, depth: costs), pipeline=pipeline
         )
         for _ in range(60):
             generator._recent.update(n, n)
@@ -2696,6 +2696,10 @@ def test_a_requests_first_unlucky_round_does_not_park_the_server(monkeypatch):
 
     assert choices([0])[:15] == [n] * 15
     assert choices([0] * 40)[:6] == [n, n, n, 0, 0, 0]
+    # Pipelined, a round is chosen before the one before it is read: the
+    # 4th is chosen with 2 read, and still by the drafter's rates.
+    assert choices([0], pipeline=True)[:15] == [n] * 15
+    assert choices([0] * 40, pipeline=True)[:7] == [n, n, n, n, 0, 0, 0]
 
 
 def test_rounds_of_few_drafts_slower_than_measured_do_not_keep_the_policy_at_few():

@@ -139,13 +139,13 @@ SWITCH_ROUNDS = 8
 NEAR_BEST = 0.03
 
 
-# A sequence's first rounds are too few to park on: its first this many are
-# chosen by the better of its own rates and those it started from, its
-# drafter's recent ones (``Acceptance.round_rates``). A newcomer's rates
-# carry a prior of 2 rounds, so one round that kept none of 7 drafts took a
-# tau-6 generation's estimate to 2.5; it parked, and the loss at that
-# estimate put its next probe 128-256 rounds away, often the rest of the
-# generation. Replayed on the H200's 4-bit DSpark costs
+# A sequence's first rounds are too few to park on: until it has read this
+# many, its rounds are chosen by the better of its own rates and those it
+# started from, its drafter's recent ones (``Acceptance.round_rates``). A
+# newcomer's rates carry a prior of 2 rounds, so one round that kept none of
+# 7 drafts took a tau-6 generation's estimate to 2.5; it parked, and the
+# loss at that estimate put its next probe 128-256 rounds away, often the
+# rest of the generation. Replayed on the H200's 4-bit DSpark costs
 # (``benchmarks/pacing_sim.py``, 24 seeds) a stream at tau 6 served 1.43x
 # plain decoding, and 1.50x with this; at tau 2.5-4.5, and where acceptance
 # alternated between generations, within 1% of before.
@@ -178,7 +178,7 @@ class Acceptance:
     decay: float = 0.9
     verified: List[float] = field(default_factory=list)
     accepted: List[float] = field(default_factory=list)
-    chosen: int = 0  # rounds chosen by ``round_rates``
+    read: int = 0  # rounds whose verdicts were read (``update``)
 
     def __post_init__(self):
         self.verified = [0.0] * self.positions
@@ -187,6 +187,7 @@ class Acceptance:
             self.prior = [self.prior] * self.positions
 
     def update(self, proposed: int, accepted: int) -> None:
+        self.read += 1
         for j in range(min(proposed, self.positions)):
             self.verified[j] = self.decay * self.verified[j] + 1.0
             self.accepted[j] = self.decay * self.accepted[j] + (j < accepted)
@@ -221,12 +222,12 @@ class Acceptance:
         return rates
 
     def round_rates(self, drafts: int) -> List[float]:
-        """The rates a round of up to ``drafts`` drafts is chosen by (one
-        call a round): its own, or in its first ``YOUNG_ROUNDS`` rounds the
-        prior it started from where that expects more tokens."""
-        self.chosen += 1
+        """The rates a round of up to ``drafts`` drafts is chosen by: its
+        own, or until ``YOUNG_ROUNDS`` rounds were read the prior it started
+        from where that expects more tokens. (Rounds read, not chosen: a
+        pipelined round is chosen before the one before it is read.)"""
         own = self.rates()
-        if self.chosen > YOUNG_ROUNDS:
+        if self.read >= YOUNG_ROUNDS:
             return own
         return max(own, self.prior, key=lambda rates: expected_tokens(rates, drafts))
 
