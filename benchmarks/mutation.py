@@ -936,8 +936,8 @@ MUTANTS = [
         ("tests/test_pacing.py", "-k", "leave_their_taps"),
     ),
     Mutant(
-        "a single stream's acceptance remembers 10 rounds",
-        SPEC + "pacing.py",
+        "a sequence's acceptance remembers 10 rounds",
+        "mlx_dspark/batching/policy.py",
         "DECAY = 0.97",
         "DECAY = 0.9",
         ("tests/test_pacing.py", "-k", "seldom_parks"),
@@ -1514,8 +1514,29 @@ MUTANTS = [
         "a generation's rates are made with one rate, not a newcomer of its drafter's",
         "mlx_dspark/speculative/pacing.py",
         "        self.acceptance = self.recent.newcomer()\n",
-        "        self.acceptance = Acceptance(drafts, decay=DECAY)\n",
+        "        self.acceptance = Acceptance(drafts)\n",
         ("tests/test_pacing.py",),
+    ),
+    Mutant(
+        "a generation parks on its first rounds' own rates",
+        "mlx_dspark/batching/policy.py",
+        "YOUNG_ROUNDS = 3",
+        "YOUNG_ROUNDS = 0",
+        ("tests/test_pacing.py", "tests/test_batching.py", "-k", "unlucky"),
+    ),
+    Mutant(
+        "a sequence's first rounds go by its drafter's rates for good",
+        "mlx_dspark/batching/policy.py",
+        "        self.read += 1\n",
+        "",
+        ("tests/test_pacing.py", "tests/test_batching.py", "-k", "unlucky"),
+    ),
+    Mutant(
+        "a server's requests choose by their own rates from their first round",
+        "mlx_dspark/batching/generator.py",
+        "[s.acceptance.round_rates(cap) for s, cap in zip(live, caps)]",
+        "[s.acceptance.rates() for s in live]",
+        ("tests/test_batching.py", "-k", "unlucky"),
     ),
 ]
 

@@ -12,7 +12,10 @@ costs leave out), and the first drafting round after plain ones
 relative spread of ``--spread``. Acceptance is replayed as in the paired
 benchmark (each draft kept with the chance that gives tau) by generation:
 ``--taus 2 6`` alternates a tau-2 and a tau-6 generation. One warm-up
-generation runs first, uncounted.
+generation runs first, uncounted. Each generation starts from its drafter's
+recent acceptance, as a server's requests do in the batch generator, whose
+bookkeeping (``Acceptance``, ``BatchPolicy``) is the same; ``--decay`` sets
+how fast those counts forget.
 
     python pacing_sim.py --profile results/h200-verify-cost-profiles-s34/5fef59d35f143e491920.json \\
         --plain-ms 10.15 --drafting-extra-ms 3.6 --taus 3.3
@@ -29,6 +32,7 @@ import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
+from mlx_dspark.batching.policy import DECAY, Acceptance
 from mlx_dspark.confidence.costs import RoundCosts
 from mlx_dspark.confidence.schedulers import CostScheduler
 from mlx_dspark.doctor import conditional_for_tau
@@ -66,7 +70,9 @@ def load_costs(path: Path, depth: int) -> RoundCosts:
     return RoundCosts(entry["draft"], entry["verify"], entry.get("draft_one"), entry.get("drafts") or 1)
 
 
-def simulate(costs, drafts, taus, plain, extra, after_parked, spread, generations, tokens, seed):
+def simulate(
+    costs, drafts, taus, plain, extra, after_parked, spread, generations, tokens, seed, decay=DECAY
+):
     """(plain decoding's time over the paced stream's, and over drafting
     every round's as ``fixed`` does, unpadded; the share of rounds that
     drafted) over ``generations`` of ``tokens`` tokens each, after one
@@ -74,6 +80,7 @@ def simulate(costs, drafts, taus, plain, extra, after_parked, spread, generation
     draws = random.Random(seed)
     clock = Clock()
     scheduler = table_scheduler(costs, clock)
+    scheduler.recent_acceptance[drafts] = Acceptance(drafts, decay=decay)
     padded = costs.padded()
 
     def seconds(mean):
@@ -133,12 +140,15 @@ def main(argv=None):
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--decay", type=float, default=DECAY, help="of the acceptance counts, a round")
     parser.add_argument("--probe-share", type=float, help="as paired.py's (default: the policy's own)")
     args = parser.parse_args(argv)
     if args.probe_share is not None:
         if args.probe_share <= 0:
             parser.error("--probe-share: a share of the parked time, above 0")
         set_probe_share(args.probe_share)
+    if not 0 < args.decay <= 1:
+        parser.error("--decay: what a round's counts keep of the round before's, in (0, 1]")
     costs = load_costs(args.profile, args.depth)
     drafts = args.drafts or costs.drafts
     if not drafts:
@@ -147,6 +157,7 @@ def main(argv=None):
         simulate(
             costs, drafts, args.taus, args.plain_ms / 1000, args.drafting_extra_ms / 1000,
             args.after_parked_ms / 1000, args.spread, args.generations, args.tokens, seed,
+            args.decay,
         )
         for seed in range(args.seeds)
     ]

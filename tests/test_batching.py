@@ -1389,7 +1389,7 @@ def test_a_requests_own_rates_value_the_drafts_it_never_verified_as_those_before
 
     policy = VerifiesTwo()
     generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=False)
-    run(generator, [(0, [5, 6, 7, 8, 9], dict(max_tokens=[60]))])
+    run(generator, [(0, [9, 8, 7, 6, 5], dict(max_tokens=[60]))])
     own = policy.rates[-1][0]
     assert drafter.max_draft_tokens == 4 and abs(own[1] - 0.5) > 0.01
     assert own[2:] == pytest.approx([own[1]] * 2)
@@ -1415,14 +1415,15 @@ def test_drafts_refused_round_after_round_bring_every_later_rate_to_their_confid
     for proposed, accepted in history:
         acceptance.update(proposed, min(accepted, proposed))
     before = acceptance.rates()[:first]
-    for _ in range(400):
+    for _ in range(800):
         acceptance.expect(first, rates[first:])
     assert acceptance.rates()[:first] == before
-    # 10 rounds' worth of counts against the prior's 2 (decay 0.9), each
+    # 1 / (1 - decay) rounds' worth of counts against the prior's 2, each
     # position's prior the rate of the one before it (the first's, 0.5).
+    weight = 1 / (1 - acceptance.decay)
     expected, prior = [], before[-1] if before else 0.5
     for r in rates[first:]:
-        prior = (10 * r + 2 * prior) / 12
+        prior = (weight * r + 2 * prior) / (weight + 2)
         expected.append(prior)
     assert acceptance.rates()[first:] == pytest.approx(expected, abs=1e-6)
 

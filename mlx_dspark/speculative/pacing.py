@@ -40,16 +40,6 @@ from ..confidence.calibration import kept_rates
 from ..confidence.costs import VERIFIES_MEASURED_PER_ROUND
 from ..confidence.schedulers import CostScheduler
 
-# How much a round's acceptance counts decay each round: a memory of about 30
-# rounds. Where drafting pays by a fifth or so, a shorter one parks on a few
-# poor rounds and stays parked (nothing is learnt while parked): on the H200
-# a 4-bit target's DSpark stream at tau 3.3 (each draft kept at 0.7), paced
-# with a memory of 10 rounds, parked in most rounds and served 0.66-0.74x
-# plain where drafting every round (``fixed``) served 1.30-1.35x. Replayed on
-# its measured costs, such a stream parks in about a third of its rounds at
-# 0.9 and a tenth at 0.97.
-DECAY = 0.97
-
 # Threads whose streams' policies a scheduler keeps (``_policy``).
 THREADS_KEPT = 16
 
@@ -61,9 +51,7 @@ class Pacing:
         self.scheduler, self.timer = scheduler, timer
         # The drafter's acceptance over its earlier generations (kept by its
         # scheduler) is where this generation's estimate starts.
-        self.recent = scheduler.recent_acceptance.setdefault(
-            drafts, Acceptance(drafts, decay=DECAY)
-        )
+        self.recent = scheduler.recent_acceptance.setdefault(drafts, Acceptance(drafts))
         self.acceptance = self.recent.newcomer()
         self.policy = _policy(scheduler.paced_policies, (drafts, getattr(timer, "key", None)))
         self._chosen = self.policy.restart()
