@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlx_dspark.batching.policy import FixedPolicy
+from mlx_dspark.batching.policy import Acceptance, FixedPolicy
 from mlx_dspark.confidence.costs import LAUNCH_SETTINGS
 from mlx_dspark.doctor import conditional_for_tau
 from mlx_dspark.integration.batch import ServerBatchGenerator
@@ -338,12 +338,13 @@ def test_quantized_rows_reads_a_forward_against_one_row(bench, capsys):
     assert (line["bits"], sorted(line["forward"]), line["forward"]["1"]["vs_one_row"]) == (4, ["1", "2"], 1.0)
 
 
-def test_pacing_sim_reads_drafting_every_round_and_the_engines_pacing(bench, tmp_path):
+def test_pacing_sim_reads_drafting_every_round_and_the_engines_pacing(bench, tmp_path, monkeypatch):
     """The simulation's profile is read at its deepest bucket measured in
     full, its one-draft cost kept; drafting every round is the replayed
     tau's tokens over a round's unpadded verify (as ``fixed`` runs it), draft
     and extra time; the pacing itself (the engine's) parks where drafting
-    never pays and drafts where it pays by half."""
+    never pays and drafts where it pays by half; ``--decay`` is the drafter's
+    acceptance's (every generation's a newcomer of it), within (0, 1]."""
     pacing_sim = bench("pacing_sim")
     # 8 rows 16 ms, 7 rows 17, 2-6 rows 18: every count's cost its own.
     curve = [0.010, 0.018, 0.018, 0.018, 0.018, 0.018, 0.017, 0.016] + [0.019] * 8
@@ -364,6 +365,18 @@ def test_pacing_sim_reads_drafting_every_round_and_the_engines_pacing(bench, tmp
     never = pacing_sim.main(base + ["--taus", "1.3"])
     assert never["fixed_vs_plain"] < 0.6
     assert never["drafted_share"] < 0.15 and never["paced_vs_plain"] > 0.85
+    decays = []
+
+    def recorded(positions, decay):
+        decays.append(decay)
+        return Acceptance(positions, decay=decay)
+
+    monkeypatch.setattr(pacing_sim, "Acceptance", recorded)
+    pacing_sim.main(base + ["--taus", "6", "--decay", "0.5"])
+    assert decays == [0.5, 0.5]  # one drafter a seed
+    for decay in ["0", "1.5"]:
+        with pytest.raises(SystemExit):
+            pacing_sim.main(base + ["--decay", decay])
 
 
 def test_fused_projections_compute_the_same_logits_in_the_same_memory(bench):
