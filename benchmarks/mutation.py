@@ -1538,6 +1538,13 @@ MUTANTS = [
         "[s.acceptance.rates() for s in live]",
         ("tests/test_batching.py", "-k", "unlucky"),
     ),
+    Mutant(
+        "a fresh drafter's first rounds go by the fixed guess",
+        "mlx_dspark/batching/policy.py",
+        "untried=not any(self.verified)",
+        "untried=False",
+        ("tests/test_pacing.py", "tests/test_batching.py", "-k", "never_pay_probes_once or joining_sequence"),
+    ),
 ]
 
 

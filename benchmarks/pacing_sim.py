@@ -12,7 +12,8 @@ costs leave out), and the first drafting round after plain ones
 relative spread of ``--spread``. Acceptance is replayed as in the paired
 benchmark (each draft kept with the chance that gives tau) by generation:
 ``--taus 2 6`` alternates a tau-2 and a tau-6 generation. One warm-up
-generation runs first, uncounted. Each generation starts from its drafter's
+generation runs first, uncounted (``--fresh``: counted, as a fresh
+process's first generation is all ``mlx_lm.generate`` runs). Each generation starts from its drafter's
 recent acceptance, as a server's requests do in the batch generator, whose
 bookkeeping (``Acceptance``, ``BatchPolicy``) is the same; ``--decay`` sets
 how fast those counts forget.
@@ -71,12 +72,13 @@ def load_costs(path: Path, depth: int) -> RoundCosts:
 
 
 def simulate(
-    costs, drafts, taus, plain, extra, after_parked, spread, generations, tokens, seed, decay=DECAY
+    costs, drafts, taus, plain, extra, after_parked, spread, generations, tokens, seed,
+    decay=DECAY, fresh=False,
 ):
     """(plain decoding's time over the paced stream's, and over drafting
     every round's as ``fixed`` does, unpadded; the share of rounds that
     drafted) over ``generations`` of ``tokens`` tokens each, after one
-    uncounted."""
+    uncounted unless ``fresh``."""
     draws = random.Random(seed)
     clock = Clock()
     scheduler = table_scheduler(costs, clock)
@@ -88,7 +90,8 @@ def simulate(
 
     paced = fixed = plain_time = 0.0
     rounds = drafted = 0
-    for g in range(generations + 1):
+    for g in range(generations if fresh else generations + 1):
+        counted = fresh or g > 0
         kept = conditional_for_tau(taus[g % len(taus)], drafts)
         pacing = Pacing(scheduler, None, drafts)
         spent = made = 0
@@ -107,12 +110,12 @@ def simulate(
             clock.now += took
             pacing.update(k, accepted)
             was_drafting = k > 0
-            if g:
+            if counted:
                 spent += took
                 rounds += 1
                 drafted += k > 0
             made += 1 + accepted
-        if g:
+        if counted:
             paced += spent
             plain_time += made * plain
             # Drafting every round at this acceptance, as ``fixed`` does
@@ -141,6 +144,7 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--decay", type=float, default=DECAY, help="of the acceptance counts, a round")
+    parser.add_argument("--fresh", action="store_true", help="count the first generation too")
     parser.add_argument("--probe-share", type=float, help="as paired.py's (default: the policy's own)")
     args = parser.parse_args(argv)
     if args.probe_share is not None:
@@ -157,7 +161,7 @@ def main(argv=None):
         simulate(
             costs, drafts, args.taus, args.plain_ms / 1000, args.drafting_extra_ms / 1000,
             args.after_parked_ms / 1000, args.spread, args.generations, args.tokens, seed,
-            args.decay,
+            args.decay, args.fresh,
         )
         for seed in range(args.seeds)
     ]
@@ -169,6 +173,7 @@ def main(argv=None):
         "paced_vs_plain_range": [round(min(paced), 3), round(max(paced), 3)],
         "fixed_vs_plain": round(statistics.mean(fixed), 3),
         "drafted_share": round(statistics.mean(share), 3),
+        "runs_under_plain": sum(p < 1 for p in paced),
         "simulated": True,
     }
     print(json.dumps(report))

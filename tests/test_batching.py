@@ -2631,7 +2631,9 @@ def test_a_pipelined_round_is_timed_from_the_last_read_and_not_at_all_when_done_
 def test_a_joining_sequence_starts_from_the_drafters_recent_acceptance():
     """A request's first rounds are chosen from what the earlier requests'
     rounds accepted, not from a fixed guess: the policy sees the recent
-    rates for a newcomer, and a fixed prior only before any round."""
+    rates for a newcomer; before any round, with nothing to start from, a
+    request's first rounds draft as if every draft were kept
+    (``YOUNG_ROUNDS``)."""
     model, drafter = trained("gemma4")
 
     class Recording(FixedPolicy):
@@ -2645,7 +2647,7 @@ def test_a_joining_sequence_starts_from_the_drafters_recent_acceptance():
     policy = Recording()
     generator = SpeculativeBatchGenerator(model, drafter, policy=policy, pipeline=False)
     run(generator, [(0, [5, 6, 7, 8, 9], dict(max_tokens=[30]))])
-    assert policy.rates[0] == [[0.5] * drafter.max_draft_tokens]
+    assert policy.rates[0] == [[1.0] * drafter.max_draft_tokens]
     learned = generator._recent.rates()
     assert learned != [0.5] * drafter.max_draft_tokens
     policy.rates.clear()

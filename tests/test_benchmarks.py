@@ -17,6 +17,7 @@ from mlx_dspark.confidence.costs import LAUNCH_SETTINGS
 from mlx_dspark.doctor import conditional_for_tau
 from mlx_dspark.integration.batch import ServerBatchGenerator
 from mlx_dspark.speculative.engine import adapt_target
+from mlx_dspark.speculative.pacing import Pacing
 from mlx_dspark.speculative.stats import Round
 
 from test_lossless import trained
@@ -344,7 +345,8 @@ def test_pacing_sim_reads_drafting_every_round_and_the_engines_pacing(bench, tmp
     tau's tokens over a round's unpadded verify (as ``fixed`` runs it), draft
     and extra time; the pacing itself (the engine's) parks where drafting
     never pays and drafts where it pays by half; ``--decay`` is the drafter's
-    acceptance's (every generation's a newcomer of it), within (0, 1]."""
+    acceptance's (every generation's a newcomer of it), within (0, 1];
+    ``--fresh`` counts the first generation, which otherwise warms up."""
     pacing_sim = bench("pacing_sim")
     # 8 rows 16 ms, 7 rows 17, 2-6 rows 18: every count's cost its own.
     curve = [0.010, 0.018, 0.018, 0.018, 0.018, 0.018, 0.017, 0.016] + [0.019] * 8
@@ -365,6 +367,13 @@ def test_pacing_sim_reads_drafting_every_round_and_the_engines_pacing(bench, tmp
     never = pacing_sim.main(base + ["--taus", "1.3"])
     assert never["fixed_vs_plain"] < 0.6
     assert never["drafted_share"] < 0.15 and never["paced_vs_plain"] > 0.85
+    assert never["runs_under_plain"] == 2 and pays["runs_under_plain"] == 0
+    # A warm-up generation first, uncounted, unless --fresh counts the first.
+    paced = []
+    monkeypatch.setattr(pacing_sim, "Pacing", lambda *a: paced.append(Pacing(*a)) or paced[-1])
+    pacing_sim.main(base + ["--taus", "6"])
+    first = pacing_sim.main(base + ["--taus", "6", "--fresh", "--generations", "1"])
+    assert len(paced) == 2 * 4 + 2 * 1 and first["drafted_share"] > 0.8
     decays = []
 
     def recorded(positions, decay):

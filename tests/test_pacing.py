@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import mlx_dspark
 from mlx_dspark import SpeculativeStats, speculative_generate_step
-from mlx_dspark.batching.policy import REPROBE_AT_MOST, REPROBE_EVERY
+from mlx_dspark.batching.policy import REPROBE_AT_MOST, REPROBE_EVERY, Acceptance
 from mlx_dspark.confidence.costs import REPEATS, RoundCosts, RoundTimer, verify_rows
 from mlx_dspark.confidence.schedulers import CostScheduler, FixedScheduler, scheduler_for
 from mlx_dspark.speculative import engine
@@ -138,22 +138,23 @@ def test_a_stream_that_never_drafted_probes_its_acceptance_at_once():
 
 
 def test_a_drafter_whose_drafts_never_pay_probes_once_not_every_generation():
-    """Nothing accepted: the first generation probes in its first round,
-    and later generations of the drafter start parked, probing only on the
-    schedule the parked rounds of all of them set (``REPROBE_EVERY`` and
-    up), not each at its start."""
+    """Nothing accepted: the first generation drafts in its first 3 rounds
+    (``YOUNG_ROUNDS``: its drafter had verified no draft), and later
+    generations of the drafter start parked, probing only on the schedule
+    the parked rounds of all of them set (``REPROBE_EVERY`` and up), not
+    each at its start."""
     scheduler = TableCostScheduler(None, 0.0037, [ms / 1000 for ms in DSPARK_4BIT])
     generations = []
-    for _ in range(4):
+    for _ in range(6):
         pacing, choices = Pacing(scheduler, None, 7), []
         for _ in range(REPROBE_EVERY):
             choices.append(pacing.drafts(7, 2048))
             pacing.update(choices[-1], 0)
         generations.append(choices)
-    assert generations[0][0] == 7 and not any(generations[0][1:])
-    assert [g[0] for g in generations[1:]] == [0, 0, 0]
-    drafted = [i for i, k in enumerate(sum(generations, [])) if k]
-    assert drafted[1:] and all(i >= REPROBE_EVERY for i in drafted[1:])
+    assert generations[0][:3] == [7] * 3 and not any(generations[0][3:])
+    assert [g[0] for g in generations[1:]] == [0] * 5
+    probes = [i for i, k in enumerate(sum(generations, [])) if k][3:]
+    assert probes and all(i > REPROBE_EVERY and i % REPROBE_EVERY for i in probes)
 
 
 class MeasuredAsItGoes(TableCostScheduler):
@@ -183,7 +184,8 @@ def test_a_stream_measuring_its_costs_as_it_goes_probes_as_deep_as_they_reach(ke
     drafts 7 a round once the costs reach 8 rows, not after
     ``REPROBE_EVERY`` parked rounds; one whose drafts are never kept probes
     once per depth reached and parks. Timed, each round takes what its
-    costs say."""
+    costs say (and a stream that never ran plain tries plain rounds after
+    its 16th drafting round, to learn what they cost)."""
     clock = Clock() if timed else None
     scheduler = MeasuredAsItGoes(0.0037, [ms / 1000 for ms in DSPARK_4BIT], clock)
     pacing, choices = Pacing(scheduler, None, 7), []
@@ -193,7 +195,7 @@ def test_a_stream_measuring_its_costs_as_it_goes_probes_as_deep_as_they_reach(ke
             clock.now += scheduler.table.padded().verify[choices[-1]] + (0.0037 if choices[-1] else 0)
         pacing.update(choices[-1], choices[-1] if kept else 0)
     if kept:
-        assert choices[:3] == [1, 3, 5] and choices[3:] == [7] * (REPROBE_EVERY - 3)
+        assert choices[:3] == [1, 3, 5] and choices[3:12] == [7] * 9
     else:
         assert choices == [1, 3, 5, 7] + [0] * (REPROBE_EVERY - 4)
 
@@ -729,8 +731,10 @@ def test_a_round_chosen_and_never_run_counts_for_no_later_generation():
 def test_an_abandoned_round_leaves_the_counts_of_another_generations_rounds():
     """Two generations advanced in turn on one thread share its policy: one
     that ends with a round chosen and never run takes back only its own
-    choice's counts, and none once the other has chosen since."""
+    choice's counts, and none once the other has chosen since. (The drafter
+    was tried before and kept nothing: its generations start parked.)"""
     scheduler = TableCostScheduler(None, 0.0037, [ms / 1000 for ms in DSPARK_4BIT])
+    tried(scheduler, 7)
     one = Pacing(scheduler, None, 7)
     one.drafts(7, 2048)  # a probe: nothing drafted yet
     one.update(7, 0)
@@ -746,6 +750,14 @@ def test_an_abandoned_round_leaves_the_counts_of_another_generations_rounds():
     other.update(0, 0)
     one.abandon()
     assert (policy.parked, policy.drafting, policy.deepest) == (3, 0, 7)
+
+
+def tried(scheduler, drafts: int) -> None:
+    """The drafter of ``drafts`` a round had a round before, which kept
+    none: its next generation has rates to start from, not a guess
+    (``YOUNG_ROUNDS``)."""
+    recent = scheduler.recent_acceptance.setdefault(drafts, Acceptance(drafts))
+    recent.update(drafts, 0)
 
 
 class ParksThenDrafts:
