@@ -1511,13 +1511,6 @@ MUTANTS = [
         ("tests/test_batching.py", "-k", "few_drafts_slower"),
     ),
     Mutant(
-        "a generation's rates are made with one rate, not a newcomer of its drafter's",
-        "mlx_dspark/speculative/pacing.py",
-        "        self.acceptance = self.recent.newcomer()\n",
-        "        self.acceptance = Acceptance(drafts)\n",
-        ("tests/test_pacing.py",),
-    ),
-    Mutant(
         "a generation parks on its first rounds' own rates",
         "mlx_dspark/batching/policy.py",
         "YOUNG_ROUNDS = 3",

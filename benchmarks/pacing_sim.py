@@ -13,10 +13,12 @@ relative spread of ``--spread``. Acceptance is replayed as in the paired
 benchmark (each draft kept with the chance that gives tau) by generation:
 ``--taus 2 6`` alternates a tau-2 and a tau-6 generation. One warm-up
 generation runs first, uncounted (``--fresh``: counted, as a fresh
-process's first generation is all ``mlx_lm.generate`` runs). Each generation starts from its drafter's
-recent acceptance, as a server's requests do in the batch generator, whose
-bookkeeping (``Acceptance``, ``BatchPolicy``) is the same; ``--decay`` sets
-how fast those counts forget.
+process's first generation is all ``mlx_lm.generate`` runs). Each
+generation starts from its drafter's recent acceptance, as a server's
+requests do in the batch generator, whose counts (``Acceptance``) are the
+same; its policy is not (a server's does not probe at once where it never
+drafted so deep, and chooses a round before the one before it is read).
+``--decay`` sets how fast the counts forget.
 
     python pacing_sim.py --profile results/h200-verify-cost-profiles-s34/5fef59d35f143e491920.json \\
         --plain-ms 10.15 --drafting-extra-ms 3.6 --taus 3.3

@@ -2705,6 +2705,42 @@ def test_a_requests_first_unlucky_round_does_not_park_the_server(monkeypatch):
     assert choices([0] * 40, pipeline=True)[:7] == [n, n, n, n, 0, 0, 0]
 
 
+def test_a_queued_request_starts_from_the_rates_of_the_rounds_before_it_joined():
+    """Requests inserted together into a batch of one wait their turn: each
+    starts from the drafter's recent rates when it joins, so only the first
+    one, whose drafter had verified no draft, chooses its first round as if
+    every draft were kept; the later ones start from what the rounds before
+    them accepted."""
+    model, drafter = trained("gemma4")
+    events = []
+
+    class Recording(FixedPolicy):
+        def choose(self, rates, caps, depth, batch=None, most=None):
+            events.append(("round", rates))
+            return super().choose(rates, caps, depth, batch)
+
+    generator = SpeculativeBatchGenerator(
+        model, drafter, policy=Recording(), pipeline=False, completion_batch_size=1, prefill_batch_size=1
+    )
+    join = generator._join
+
+    def recorded_join():
+        if generator._in_flight is None and len(generator._joining):
+            events.append(("join", generator._recent.rates()))
+        join()
+
+    generator._join = recorded_join
+    prompts = [[5, 6, 7, 8, 9], [9, 8, 7, 6, 5], [7, 5, 9]]
+    run(generator, [(0, prompt, dict(max_tokens=[12])) for prompt in prompts])
+    firsts = [
+        (recent, rates) for (kind, recent), (_, rates) in zip(events, events[1:]) if kind == "join"
+    ]
+    n = drafter.max_draft_tokens
+    assert len(firsts) == 3 and firsts[0][1] == [[1.0] * n]
+    for recent, rates in firsts[1:]:
+        assert recent != [0.5] * n and rates == [pytest.approx(recent)]
+
+
 def test_rounds_of_few_drafts_slower_than_measured_do_not_keep_the_policy_at_few():
     """Drafting rounds of 2 drafts take 6.5-9 ms beyond their measured costs,
     rounds of 6 only 2.5 ms (the measured drafting cost grows faster with

@@ -123,14 +123,16 @@ def parked_share(kept: float, seed: int, rounds: int = 1000) -> float:
 
 def test_a_stream_that_never_drafted_probes_its_acceptance_at_once():
     """On the 4-bit curve the prior acceptance (0.5 a draft) does not pay
-    for drafting, so a fresh stream parks; it probes in its first round, not
-    after ``REPROBE_EVERY`` parked ones, and a drafter whose drafts are kept
-    drafts from then on. (Parked on the prior, an ``mlx_lm.generate`` run on
+    for drafting, so a fresh stream that does not draft its first rounds
+    regardless (``Acceptance.untried`` cleared) parks; it probes in its
+    first round, not after ``REPROBE_EVERY`` parked ones, and a drafter
+    whose drafts are kept drafts from then on. (Parked on the prior, an ``mlx_lm.generate`` run on
     the H200 first probed after 255 rounds.) A stream of the same drafter
     later in the process starts from what the first one learnt."""
     scheduler = TableCostScheduler(None, 0.0037, [ms / 1000 for ms in DSPARK_4BIT])
     for _ in range(2):
         pacing, choices = Pacing(scheduler, None, 7), []
+        pacing.acceptance.untried = False
         for _ in range(REPROBE_EVERY):
             choices.append(pacing.drafts(7, 2048))
             pacing.update(choices[-1], choices[-1])
@@ -195,7 +197,8 @@ def test_a_stream_measuring_its_costs_as_it_goes_probes_as_deep_as_they_reach(ke
             clock.now += scheduler.table.padded().verify[choices[-1]] + (0.0037 if choices[-1] else 0)
         pacing.update(choices[-1], choices[-1] if kept else 0)
     if kept:
-        assert choices[:3] == [1, 3, 5] and choices[3:12] == [7] * 9
+        assert choices[:3] == [1, 3, 5] and choices[3:15] == [7] * 12
+        assert choices[15] == (0 if timed else 7)
     else:
         assert choices == [1, 3, 5, 7] + [0] * (REPROBE_EVERY - 4)
 

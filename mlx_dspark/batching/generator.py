@@ -98,13 +98,16 @@ class Sequence:
     matcher: Any
     num_draft_tokens: int
     stats: SpeculativeStats
-    acceptance: Acceptance
     done: int = 0
     total: int = 0
     anchor: Optional[int] = None  # the last emitted token, not yet cached
     emitted: int = 0
     in_flight: int = 0  # tokens a launched, unread round may still emit
     finished: bool = False  # done or removed; its row may stay, idle (see the module docstring)
+    # The drafter's recent rates when it joins the batch (``_join``), not
+    # when it was inserted: a request queued behind others starts from
+    # what their rounds accepted.
+    acceptance: Optional[Acceptance] = None
 
     @property
     def remaining(self) -> int:
@@ -391,7 +394,6 @@ class SpeculativeBatchGenerator:
                     matcher=options["stop_sequences"][i].matcher(),
                     num_draft_tokens=drafts,
                     stats=stats_i,
-                    acceptance=self._recent.newcomer(),
                     total=sum(len(p) for p in parts),
                 )
             )
@@ -537,6 +539,8 @@ class SpeculativeBatchGenerator:
         if self._in_flight is None and len(self._joining):
             self._commit_parked()
             self._drop_finished_rows()
+            for s in self._joining.sequences:
+                s.acceptance = self._recent.newcomer()
             self._generation.extend(self._joining)
             self._joining = Rows()
             self._last_round = None

@@ -142,8 +142,8 @@ NEAR_BEST = 0.03
 # How much a sequence's acceptance counts decay each round: a memory of
 # about 30 rounds. Where drafting pays by a fifth or so, a shorter one parks
 # on a few poor rounds and stays parked (nothing is learnt while parked): on
-# the H200 a 4-bit target's DSpark stream at tau 3.3 (each draft kept at
-# 0.7), paced with a memory of 10 rounds, parked in most rounds and served
+# the H200 of session 21 a 4-bit target's DSpark stream at tau 3.3 (each
+# draft kept at 0.7), paced with a memory of 10 rounds, parked in most rounds and served
 # 0.66-0.74x plain where drafting every round (``fixed``) served 1.30-1.35x.
 # Replayed on its measured costs, such a stream parks in about a third of its
 # rounds at 0.9 and a tenth at 0.97.
@@ -151,21 +151,16 @@ DECAY = 0.97
 
 # A sequence's first rounds are too few to park on: until it has read this
 # many, its rounds are chosen by the better of its own rates and those it
-# started from, its drafter's recent ones (``Acceptance.round_rates``). A
-# newcomer's rates carry a prior of 2 rounds, so one round that kept none of
-# 7 drafts took a tau-6 generation's estimate to 2.5; it parked, and the
-# loss at that estimate put its next probe 128-256 rounds away, often the
-# rest of the generation. Replayed on the H200's 4-bit DSpark costs
-# (``benchmarks/pacing_sim.py``, 24 seeds) a stream at tau 6 served 1.43x
-# plain decoding, and 1.50x with this; at tau 2.5-4.5, and where acceptance
-# alternated between generations, within 1% of before. A sequence whose
-# drafter had verified no draft yet (a fresh process's first generation,
-# ``mlx_lm.generate``'s only one) has no rates to start from, only a fixed
-# guess: its first this many rounds draft whatever they keep. (Replayed
-# fresh, 256 tokens, 64 seeds, on the H200's 4-bit DSpark costs: at tau 4.5
-# 1.10x plain decoding with 21 runs under 1.0x, 1.12x and 13 with this; at
-# tau 6 1.46x and 6, 1.50x and 2; at tau 2.5 and 3.3, where drafting does
-# not pay, 0.96x and 0.95x, 0.95x and 0.94x with this.)
+# started from, its drafter's recent ones, or, where its drafter had
+# verified no draft yet (a fresh process's first generation), as if every
+# draft were kept (``Acceptance.round_rates``). A newcomer's rates carry a
+# prior of 2 rounds, so one round that kept none of 7 drafts took a tau-6
+# generation's estimate to 2.5 and parked it, with its next probe 128-256
+# rounds away: often the rest of the generation. Replayed on session 34's
+# H200 4-bit DSpark costs (``benchmarks/pacing_sim.py``; BENCHMARKS.md,
+# sessions 34 and 35) a stream at tau 6 served 1.43x plain decoding, 1.50x
+# with this, and a fresh one at tau 4.5 1.10x, 1.12x with this; where
+# drafting does not pay, 1% less at most.
 YOUNG_ROUNDS = 3
 
 
@@ -195,7 +190,7 @@ class Acceptance:
     decay: float = DECAY
     verified: List[float] = field(default_factory=list)
     accepted: List[float] = field(default_factory=list)
-    read: int = 0  # rounds whose verdicts were read (``update``)
+    read: int = field(default=0, init=False)  # rounds whose verdicts were read (``update``)
     untried: bool = False  # its drafter had verified no draft when it started
 
     def __post_init__(self):
@@ -431,7 +426,9 @@ class BatchPolicy:
             many a whole generation. (Not "never drafted": on a machine
             whose costs a first generation measures as it goes, its first
             rounds see one or two verify lengths, and a round of one draft
-            there would be its only one.)
+            there would be its only one. A sequence whose drafter verified
+            no draft drafts its first rounds anyway, ``YOUNG_ROUNDS``; what
+            is left to this is a round deeper than any drafted so far.)
     """
 
     name = "cost"
