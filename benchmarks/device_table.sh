@@ -12,6 +12,8 @@
 # (`paired.py --probe-share`), best run in the call after `4bit`. `kernels`:
 # the 4-bit and bf16 matmuls by rows (`quantized_rows.py`) and the 4-bit
 # verify with q/k/v and gate/up fused (`fused_projections.py`), about 90 s.
+# `fresh`: the 4-bit rows with each speculative run paced as a fresh
+# process's only generation (`paired.py --fresh`, as `mlx_lm.generate` runs).
 set -euo pipefail
 export PYTHONPATH=~/site
 export MLX_DSPARK_CACHE="${MLX_DSPARK_CACHE:-$HOME/mdc}"
@@ -29,6 +31,10 @@ fi
 if [[ $parts == *" probes "* ]]; then
     paired --taus 3.3 --probe-share 0.01 --context 2048 --target-bits 4 --drafters assistant dspark dflash \
         --out "$OUT/paired-ctx2048-4bit-probes.jsonl"
+fi
+if [[ $parts == *" fresh "* ]]; then
+    paired --fresh --context 2048 --target-bits 4 --drafters assistant dspark dflash \
+        --out "$OUT/paired-ctx2048-4bit-fresh.jsonl"
 fi
 if [[ $parts == *" bf16 "* ]]; then
     paired --context 2048 --target-bits 16 --drafters dspark assistant dflash \

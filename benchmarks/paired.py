@@ -15,6 +15,11 @@ tau ~ 6 on math, ~ 3.3 on chat). Each row also has the round's phase
 timings (``speculative.phases``: host graph building, drafting, verifying,
 the verdict and the bookkeeping). Writes JSON lines to ``--out`` and stdout.
 
+``--fresh``: each speculative run starts as a fresh process's only
+generation does (``mlx_lm.generate``): its drafter's scheduler has learnt
+no acceptance and no policy, only the costs (which a fresh process reads
+from disk).
+
 MLX runs with the launch settings ``mlx_lm.generate`` and ``mlx_lm.server``
 set with a drafter (on MLX-CUDA, CUDA graphs off for an unquantized target),
 plain decoding included, unless ``--mlx-launch-settings``. MLX reads them
@@ -36,6 +41,7 @@ from mlx_lm.generate import generate_step
 import mlx_dspark
 from mlx_dspark.batching import policy
 from mlx_dspark.confidence.costs import LAUNCH_SETTINGS, launch_settings_for_speculation
+from mlx_dspark.confidence.schedulers import scheduler_for
 from mlx_dspark.progress import progress
 import shapes
 from speculative import components, phases, replayed_acceptance
@@ -90,6 +96,15 @@ def drafted_tau(rounds, replayed: float) -> float:
     one token each would put the bound under plain decoding)."""
     drafted = [r.acceptance_length for r in rounds if r.drafts]
     return statistics.mean(drafted) if 2 * len(drafted) >= len(rounds) > 0 else replayed
+
+
+def forget_pacing(drafter, scheduler) -> None:
+    """``drafter``'s ``scheduler`` (a name or an object) as a fresh process
+    has it: the acceptance and policies its generations learnt forgotten,
+    its measured costs kept."""
+    scheduler = scheduler_for(scheduler, drafter)
+    for learnt in ("recent_acceptance", "paced_policies"):
+        getattr(scheduler, learnt, {}).clear()
 
 
 POLICY_PROBES = (policy.PROBE_SHARE, policy.REPROBE_AT_MOST)
@@ -170,6 +185,10 @@ def main():
         help="the share of a parked stream's time its probes may lose (default: the policy's own)",
     )
     parser.add_argument(
+        "--fresh", action="store_true",
+        help="each speculative run paced as a fresh process's first generation",
+    )
+    parser.add_argument(
         "--mlx-launch-settings", action="store_true",
         help="keep MLX's own launch settings, not those the commands set with a drafter",
     )
@@ -212,6 +231,8 @@ def main():
                 stats = mlx_dspark.SpeculativeStats(drafter.name, drafter.block_size)
 
                 def speculative():
+                    if args.fresh:
+                        forget_pacing(drafter, scheduler)
                     return mlx_dspark.speculative_generate_step(
                         prompt, model, drafter, max_tokens=args.max_tokens, stats=stats, scheduler=scheduler
                     )
@@ -271,6 +292,8 @@ def main():
                     "launch_settings": launch,
                     "shapes": f"gemma-4-12b/{args.scale}",
                 }
+                if args.fresh:
+                    record["fresh"] = True
                 if args.probe_share is not None:
                     record["probe_share"] = policy.PROBE_SHARE
                     record["reprobe_at_most"] = policy.REPROBE_AT_MOST

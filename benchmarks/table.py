@@ -51,7 +51,9 @@ def markdown(row: dict) -> str:
         "bf16" if row["target_bits"] == 16 else f"{row['target_bits']}-bit",
         row["drafter"],
         row["replayed_tau"],
-        f"`{row['scheduler']}`" + (f", probes {row['probe_share']}" if "probe_share" in row else ""),
+        f"`{row['scheduler']}`"
+        + (f", probes {row['probe_share']}" if "probe_share" in row else "")
+        + (", fresh" if row.get("fresh") else ""),
         f"{row['plain_tok_s']:.1f}, {row['spec_tok_s']:.1f}",
         f"{row['speedup']:.2f}× ({low:.2f}-{high:.2f})",
         f"{noise_low:.2f}-{noise_high:.2f}",

@@ -12,8 +12,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+import mlx_dspark
 from mlx_dspark.batching.policy import Acceptance, FixedPolicy
 from mlx_dspark.confidence.costs import LAUNCH_SETTINGS
+from mlx_dspark.confidence.schedulers import scheduler_for
 from mlx_dspark.doctor import conditional_for_tau
 from mlx_dspark.integration.batch import ServerBatchGenerator
 from mlx_dspark.speculative.engine import adapt_target
@@ -145,6 +147,40 @@ def test_paired_runs_with_the_launch_settings_the_commands_set(
     paired.main()
     assert at_first_eval == [settings]
     assert json.loads(out.read_text())["launch_settings"] == settings
+
+
+def test_paired_fresh_runs_pace_as_a_fresh_process_and_keep_the_costs(bench):
+    """``--fresh``: before each speculative run the drafter's ``cost``
+    scheduler forgets the acceptance and policy its generations taught it,
+    so the run starts untried, as ``mlx_lm.generate``'s only generation
+    does; the costs it measured stay (a fresh process reads them from
+    disk). The ``fixed`` scheduler has nothing to forget."""
+    paired = bench("paired")
+    model, drafter = trained("gemma4")
+    prompt = mx.array([5, 6, 7, 8, 9])
+    list(mlx_dspark.speculative_generate_step(prompt, model, drafter, max_tokens=12, scheduler="cost"))
+    scheduler = scheduler_for("cost", drafter)
+    profiles = dict(scheduler.profiles)
+    assert scheduler.recent_acceptance and scheduler.paced_policies and profiles
+    paired.forget_pacing(drafter, "cost")
+    assert not scheduler.recent_acceptance and not scheduler.paced_policies
+    assert scheduler.profiles == profiles
+    paired.forget_pacing(drafter, "fixed")
+
+
+def test_paired_fresh_forgets_the_pacing_before_each_speculative_run(bench, monkeypatch, tmp_path):
+    """``--fresh`` forgets before the warm-up and before each pair's run,
+    and says so in its row."""
+    paired = bench("paired")
+    forgotten = []
+    monkeypatch.setattr(paired, "forget_pacing", lambda *args: forgotten.append(args[1]))
+    out = tmp_path / "paired.jsonl"
+    argv = ["paired.py", "--scale", "16", "--context", "32", "--taus", "3.3", "--max-tokens", "4"]
+    argv += ["--pairs", "2", "--drafters", "dspark", "--schedulers", "cost", "--fresh", "--out", str(out)]
+    argv += ["--mlx-launch-settings"]  # none set for the rest of the process
+    monkeypatch.setattr("sys.argv", argv)
+    paired.main()
+    assert forgotten == ["cost"] * 3 and json.loads(out.read_text())["fresh"] is True
 
 
 def test_paired_splits_the_time_lost_by_kind_of_round(bench):
@@ -312,6 +348,7 @@ def test_the_table_reads_each_paired_row_against_the_issues_goal(bench):
     per_pair = dict(row, speedup_over_bound_range=[0.97, 1.12])
     assert "| 1.09 (0.97-1.12) | 16.7 + 3.8, 1.0 | met |" in table.markdown(per_pair)
     assert "| `cost`, probes 0.01 |" in table.markdown(dict(row, probe_share=0.01))
+    assert "| `cost`, fresh |" in table.markdown(dict(row, fresh=True))
     assert table.verdicts(dict(row, speedup=0.97)) == ["slower than plain"]
     noisy = dict(row, speedup=0.97, plain_vs_plain_range=[0.95, 1.05])
     assert table.verdicts(noisy) == ["below 1.0, within plain's noise"]
