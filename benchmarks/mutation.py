@@ -677,9 +677,9 @@ MUTANTS = [
     Mutant(
         "a joining sequence starts from the fixed prior",
         "mlx_dspark/batching/generator.py",
-        "acceptance=self._recent.newcomer(),",
-        "acceptance=Acceptance(self.drafter.max_draft_tokens),",
-        ("tests/test_batching.py", "-k", "recent_acceptance"),
+        "s.acceptance = self._recent.newcomer()",
+        "s.acceptance = Acceptance(self.drafter.max_draft_tokens)",
+        ("tests/test_batching.py", "-k", "recent_acceptance or queued_request"),
     ),
     # Measuring round costs on this machine (session 9).
     Mutant(
