@@ -2004,9 +2004,15 @@ def test_a_probe_as_fast_as_measured_brings_drafting_back_at_once():
     while len(policy._recent[4, True]) < RECENT_ROUNDS:
         round_(3.0)
     assert policy.overheads[4, True] == pytest.approx(2 * 0.012) and round_(3.0) == 0
-    after = [round_(1.0) for _ in range(40)]
+    after, overheads = [], []
+    for _ in range(40):
+        after.append(round_(1.0))
+        overheads.append(policy.overheads[4, True])
     probe = after.index(4)
     assert probe < REPROBE_EVERY and after[probe + 1 :] == [4] * (39 - probe)
+    # The probe's first round timed is the kind's overhead at once (the
+    # drafting that follows could also be the probe's own length).
+    assert overheads[probe + 1] == pytest.approx(0.0)
 
 
 @pytest.mark.usefixtures("frequent_probes")

@@ -183,6 +183,17 @@ def test_paired_fresh_forgets_the_pacing_before_each_speculative_run(bench, monk
     assert forgotten == ["cost"] * 3 and json.loads(out.read_text())["fresh"] is True
 
 
+def test_every_mutant_names_code_that_occurs_once(bench):
+    """Each mutant of ``benchmarks/mutation.py`` names its code by its text,
+    which must occur once in its file, and no two mutants are one: code
+    that moved fails here, in CI, not at the next mutation run."""
+    mutation = bench("mutation")
+    for mutant in mutation.MUTANTS:
+        mutation.check(mutant, mutation.ROOT)
+    assert len({(m.path, m.old, m.new) for m in mutation.MUTANTS}) == len(mutation.MUTANTS)
+    assert len({m.name for m in mutation.MUTANTS}) == len(mutation.MUTANTS)
+
+
 def test_paired_splits_the_time_lost_by_kind_of_round(bench):
     """Each round's seconds run from the first token of the round before (a
     generation's first, from the prompt's token) to its own; a kind's loss

@@ -143,10 +143,10 @@ NEAR_BEST = 0.03
 # about 30 rounds. Where drafting pays by a fifth or so, a shorter one parks
 # on a few poor rounds and stays parked (nothing is learnt while parked): on
 # the H200 of session 21 a 4-bit target's DSpark stream at tau 3.3 (each
-# draft kept at 0.7), paced with a memory of 10 rounds, parked in most rounds and served
-# 0.66-0.74x plain where drafting every round (``fixed``) served 1.30-1.35x.
-# Replayed on its measured costs, such a stream parks in about a third of its
-# rounds at 0.9 and a tenth at 0.97.
+# draft kept at 0.7), paced with a memory of 10 rounds, parked in most
+# rounds and served 0.66-0.74x plain where drafting every round (``fixed``)
+# served 1.30-1.35x. Replayed on its measured costs, such a stream parks in
+# about a third of its rounds at 0.9 and a tenth at 0.97.
 DECAY = 0.97
 
 # A sequence's first rounds are too few to park on: until it has read this
