@@ -11,7 +11,8 @@
 # a parked stream's probes allowed 0.01 of its time instead of the policy's 0.03
 # (`paired.py --probe-share`), best run in the call after `4bit`. `kernels`:
 # the 4-bit and bf16 matmuls by rows (`quantized_rows.py`) and the 4-bit
-# verify with q/k/v and gate/up fused (`fused_projections.py`), about 90 s.
+# verify with q/k/v and gate/up fused (`fused_projections.py`) and with its
+# matmuls split along K (`split_k.py`), about 150 s.
 # `fresh`: the 4-bit rows with each speculative run paced as a fresh
 # process's only generation (`paired.py --fresh`, as `mlx_lm.generate` runs).
 set -euo pipefail
@@ -48,6 +49,7 @@ fi
 if [[ $parts == *" kernels "* ]]; then
     python3 quantized_rows.py --out "$OUT/quantized-rows.jsonl"
     python3 fused_projections.py --bits 4 --rows 1 2 8 16 --out "$OUT/fused-projections.jsonl"
+    python3 split_k.py --rows 8 16 --splits 2 4 --out "$OUT/split-k.jsonl"
 fi
 if compgen -G "$OUT/paired-*.jsonl" > /dev/null; then
     python3 table.py "$OUT"/paired-*.jsonl > "$OUT/table.md"

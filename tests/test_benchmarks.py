@@ -387,6 +387,60 @@ def test_quantized_rows_reads_a_forward_against_one_row(bench, capsys):
     assert (line["bits"], sorted(line["forward"]), line["forward"]["1"]["vs_one_row"]) == (4, ["1", "2"], 1.0)
 
 
+def test_quantized_rows_chains_each_matmul_on_the_one_before(bench):
+    """Each matmul of a chain reads the outputs of the one before (on a GPU
+    a chain whose links wait for nothing runs them side by side): a chain
+    with a zero weight anywhere ends in zeros, and every link's rows reach
+    the next at the chain's input width, wider or narrower."""
+    quantized_rows = bench("quantized_rows")
+    x = mx.ones((1, 2, 64))
+    narrow, wide = mx.ones((32, 64)) / 8, mx.ones((128, 64)) / 8
+    ones = quantized_rows.chained(x, [narrow, wide], bits=16)
+    assert ones.shape == (1, 2, 64) and mx.all(ones > 0).item()
+    zeros = quantized_rows.chained(x, [mx.zeros((32, 64)), wide], bits=16)
+    assert zeros.shape == (1, 2, 64) and not mx.any(zeros).item()
+
+
+def test_split_k_computes_the_same_logits_in_the_same_memory(bench):
+    """The tiny target, 4-bit in groups of 32, with every layer's quantized
+    projections split along their inputs into two summed matmuls: the same
+    logits within float32 rounding over a prompt and a verify of 5 rows, the
+    same weight bytes; a projection of one group stays as it was."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from conftest import DEEPSPEC_TINY
+
+    split_k = bench("split_k")
+    model, _ = load(str(DEEPSPEC_TINY / "target_tiny_gemma4"))  # its own: this one is changed
+    bench("shapes").quantize(model, 4, group_size=32)
+    prompt = mx.random.randint(0, 500, (1, 300), key=mx.random.key(0))
+
+    def weight_bytes():
+        return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+    def logits():
+        with mx.stream(mx.cpu):
+            cache = make_prompt_cache(model)
+            first = model(prompt, cache=cache)
+            out = mx.concatenate([first, model(mx.array([[8, 9, 10, 11, 12]]), cache=cache)], axis=1)
+            mx.eval(out)
+            return out
+
+    before, bytes_before = logits(), weight_bytes()
+    one_group = nn.QuantizedLinear(32, 16, bias=False, group_size=32, bits=4)
+    model.model.layers[0].mlp.one_group = one_group
+    split_k.split_projections(model.model, 2)
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, split_k.SplitK) and isinstance(layer.self_attn.q_proj, split_k.SplitK)
+    assert layer.mlp.one_group is one_group
+    del layer.mlp.one_group
+    assert mx.allclose(logits(), before, rtol=1e-4, atol=1e-4)
+    assert weight_bytes() == bytes_before
+
+
 def test_pacing_sim_reads_drafting_every_round_and_the_engines_pacing(bench, tmp_path, monkeypatch):
     """The simulation's profile is read at its deepest bucket measured in
     full, its one-draft cost kept; drafting every round is the replayed
