@@ -1,14 +1,14 @@
 """A 4-bit target's verify by rows with each layer's quantized matmuls split
 along their inputs (K) into ``--splits`` matmuls whose outputs are summed.
 
-On MLX-CUDA a 4-bit matmul of 8 or more rows runs one tiled kernel whose
-tiles cover the outputs (N) only: the 12B's k, v, o and down projections
-(N = 2048-3840) leave most of an H100's SMs idle, and a 4-bit verify of 8
-rows cost about twice one of a row (``fused_projections.py``; fusing q/k/v
-and gate/up did not change it). Split along K, the parts are independent
-kernels that can run side by side. This times the verify (on the engine's
-caches, at ``--context``) as it is and split, and how far the logits moved.
-JSON lines to stdout (and ``--out``).
+On an H100 a 4-bit verify of 8 rows cost about twice one of a row, and
+fusing q/k/v and gate/up did not change it (``fused_projections.py``); the
+same matmuls cost no more at 8 rows than at one when others ran beside them.
+MLX-CUDA's Hopper kernel does badly at small N and K (ml-explore/mlx#3160),
+and the 12B's k, v, o and down projections have N of 2048-3840. Split along
+K, the parts are independent kernels that can run side by side. This times
+the verify (on the engine's caches, at ``--context``) as it is and split,
+and how far the logits moved. JSON lines to stdout (and ``--out``).
 
     python split_k.py --rows 8 16 --splits 2 4
 """
