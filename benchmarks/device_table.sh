@@ -15,6 +15,10 @@
 # matmuls split along K (`split_k.py`), about 150 s.
 # `fresh`: the 4-bit rows with each speculative run paced as a fresh
 # process's only generation (`paired.py --fresh`, as `mlx_lm.generate` runs).
+# `graphcache`: `fresh` again with MLX-CUDA's CUDA graph cache at 4000 graphs,
+# not 100: on an H100 a parked round right after a drafting one took 26-32 ms
+# against a plain step's 11, and session 11 saw a larger cache remove the
+# cost of a change of shape in a warm process.
 set -euo pipefail
 export PYTHONPATH=~/site
 export MLX_DSPARK_CACHE="${MLX_DSPARK_CACHE:-$HOME/mdc}"
@@ -36,6 +40,10 @@ fi
 if [[ $parts == *" fresh "* ]]; then
     paired --fresh --context 2048 --target-bits 4 --drafters assistant dspark dflash \
         --out "$OUT/paired-ctx2048-4bit-fresh.jsonl"
+fi
+if [[ $parts == *" graphcache "* ]]; then
+    MLX_CUDA_GRAPH_CACHE_SIZE=4000 paired --fresh --context 2048 --target-bits 4 \
+        --drafters assistant dspark dflash --out "$OUT/paired-ctx2048-4bit-fresh-cache4000.jsonl"
 fi
 if [[ $parts == *" bf16 "* ]]; then
     paired --context 2048 --target-bits 16 --drafters dspark assistant dflash \

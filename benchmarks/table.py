@@ -10,6 +10,8 @@ noise), an unquantized target's rows at 0.95 of their bound or more, and the
 import argparse
 import json
 
+from mlx_dspark.confidence.costs import NO_CUDA_GRAPHS
+
 AT_LEAST_BOUND = 0.95
 ASSISTANT_4BIT_CHAT = 1.2
 CHAT_TAU = 3.3
@@ -35,6 +37,13 @@ def verdicts(row: dict) -> list:
     return missed
 
 
+def other_launch_settings(row: dict) -> dict:
+    """The row's MLX launch settings other than those the commands set for
+    its target (CUDA graphs off for an unquantized one)."""
+    commands = NO_CUDA_GRAPHS if row["target_bits"] == 16 else {}
+    return {k: v for k, v in (row.get("launch_settings") or {}).items() if commands.get(k) != v}
+
+
 def markdown(row: dict) -> str:
     low, high = row["speedup_range"]
     noise_low, noise_high = row["plain_vs_plain_range"]
@@ -53,7 +62,8 @@ def markdown(row: dict) -> str:
         row["replayed_tau"],
         f"`{row['scheduler']}`"
         + (f", probes {row['probe_share']}" if "probe_share" in row else "")
-        + (", fresh" if row.get("fresh") else ""),
+        + (", fresh" if row.get("fresh") else "")
+        + "".join(f", {k}={v}" for k, v in other_launch_settings(row).items()),
         f"{row['plain_tok_s']:.1f}, {row['spec_tok_s']:.1f}",
         f"{row['speedup']:.2f}× ({low:.2f}-{high:.2f})",
         f"{noise_low:.2f}-{noise_high:.2f}",

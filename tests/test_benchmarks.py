@@ -360,6 +360,12 @@ def test_the_table_reads_each_paired_row_against_the_issues_goal(bench):
     assert "| 1.09 (0.97-1.12) | 16.7 + 3.8, 1.0 | met |" in table.markdown(per_pair)
     assert "| `cost`, probes 0.01 |" in table.markdown(dict(row, probe_share=0.01))
     assert "| `cost`, fresh |" in table.markdown(dict(row, fresh=True))
+    # Launch settings other than the commands' own for the target are named.
+    assert "| `cost` |" in table.markdown(dict(row, launch_settings={"MLX_USE_CUDA_GRAPHS": "0"}))
+    cache = {"MLX_CUDA_GRAPH_CACHE_SIZE": "4000"}
+    assert "| `cost`, MLX_CUDA_GRAPH_CACHE_SIZE=4000 |" in table.markdown(dict(row, target_bits=4, launch_settings=cache))
+    graphs_off_4bit = dict(row, target_bits=4, launch_settings={"MLX_USE_CUDA_GRAPHS": "0"})
+    assert "| `cost`, MLX_USE_CUDA_GRAPHS=0 |" in table.markdown(graphs_off_4bit)
     assert table.verdicts(dict(row, speedup=0.97)) == ["slower than plain"]
     noisy = dict(row, speedup=0.97, plain_vs_plain_range=[0.95, 1.05])
     assert table.verdicts(noisy) == ["below 1.0, within plain's noise"]
