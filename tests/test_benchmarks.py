@@ -407,35 +407,47 @@ def test_quantized_rows_chains_each_matmul_on_the_one_before(bench):
     assert zeros.shape == (1, 2, 64) and not mx.any(zeros).item()
 
 
+def tiny_4bit_target(bench, group_size: int = 64):
+    """The tiny Gemma-4 target, 4-bit, loaded afresh (a test changes it)."""
+    from mlx_lm import load
+
+    from conftest import DEEPSPEC_TINY
+
+    model, _ = load(str(DEEPSPEC_TINY / "target_tiny_gemma4"))
+    bench("shapes").quantize(model, 4, group_size=group_size)
+    return model
+
+
+def weight_bytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def prompt_and_verify_logits(model, prompt):
+    """``model``'s logits over ``prompt`` and then a verify of 5 rows on
+    its cache (float32, on the CPU)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    with mx.stream(mx.cpu):
+        cache = make_prompt_cache(model)
+        first = model(prompt, cache=cache)
+        out = mx.concatenate([first, model(mx.array([[8, 9, 10, 11, 12]]), cache=cache)], axis=1)
+        mx.eval(out)
+        return out
+
+
 def test_split_k_computes_the_same_logits_in_the_same_memory(bench):
     """The tiny target, 4-bit in groups of 32, with every layer's quantized
     projections split along their inputs into two summed matmuls: the same
     logits within float32 rounding over a prompt and a verify of 5 rows, the
     same weight bytes; a projection of one group stays as it was."""
     import mlx.nn as nn
-    from mlx.utils import tree_flatten
-    from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from conftest import DEEPSPEC_TINY
 
     split_k = bench("split_k")
-    model, _ = load(str(DEEPSPEC_TINY / "target_tiny_gemma4"))  # its own: this one is changed
-    bench("shapes").quantize(model, 4, group_size=32)
+    model = tiny_4bit_target(bench, group_size=32)
     prompt = mx.random.randint(0, 500, (1, 300), key=mx.random.key(0))
-
-    def weight_bytes():
-        return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-    def logits():
-        with mx.stream(mx.cpu):
-            cache = make_prompt_cache(model)
-            first = model(prompt, cache=cache)
-            out = mx.concatenate([first, model(mx.array([[8, 9, 10, 11, 12]]), cache=cache)], axis=1)
-            mx.eval(out)
-            return out
-
-    before, bytes_before = logits(), weight_bytes()
+    before, bytes_before = prompt_and_verify_logits(model, prompt), weight_bytes(model)
     one_group = nn.QuantizedLinear(32, 16, bias=False, group_size=32, bits=4)
     model.model.layers[0].mlp.one_group = one_group
     split_k.split_projections(model.model, 2)
@@ -443,8 +455,8 @@ def test_split_k_computes_the_same_logits_in_the_same_memory(bench):
     assert isinstance(layer.mlp.down_proj, split_k.SplitK) and isinstance(layer.self_attn.q_proj, split_k.SplitK)
     assert layer.mlp.one_group is one_group
     del layer.mlp.one_group
-    assert mx.allclose(logits(), before, rtol=1e-4, atol=1e-4)
-    assert weight_bytes() == bytes_before
+    assert mx.allclose(prompt_and_verify_logits(model, prompt), before, rtol=1e-4, atol=1e-4)
+    assert weight_bytes(model) == bytes_before
 
 
 def test_pacing_sim_reads_drafting_every_round_and_the_engines_pacing(bench, tmp_path, monkeypatch):
@@ -503,39 +515,23 @@ def test_fused_projections_compute_the_same_logits_in_the_same_memory(bench):
     and, once a forward's outputs are freed, no more memory held than before
     (a fused projection lets go of its last input and outputs)."""
     import mlx.nn as nn
-    from mlx.utils import tree_flatten
-    from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from conftest import DEEPSPEC_TINY
 
     fused_projections = bench("fused_projections")
-    model, _ = load(str(DEEPSPEC_TINY / "target_tiny_gemma4"))  # its own: this one is changed
-    bench("shapes").quantize(model, 4)
+    model = tiny_4bit_target(bench)
     prompt = mx.random.randint(0, 500, (1, 512), key=mx.random.key(0))
-
-    def weight_bytes():
-        return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-    def logits():
-        with mx.stream(mx.cpu):
-            cache = make_prompt_cache(model)
-            first = model(prompt, cache=cache)
-            out = mx.concatenate([first, model(mx.array([[8, 9, 10, 11, 12]]), cache=cache)], axis=1)
-            mx.eval(out)
-            return out
 
     def held_after_a_forward():
         mx.eval(model(prompt))
         return mx.get_active_memory()
 
-    before, bytes_before, held_before = logits(), weight_bytes(), held_after_a_forward()
+    before, bytes_before = prompt_and_verify_logits(model, prompt), weight_bytes(model)
+    held_before = held_after_a_forward()
     fused_projections.fuse_projections(model.model)
     layer = model.model.layers[0]
     assert isinstance(layer.mlp.gate_up_fused.linear, nn.QuantizedLinear)
     assert isinstance(layer.self_attn.q_proj, fused_projections.Part)
-    assert mx.array_equal(logits(), before)
-    assert weight_bytes() == bytes_before
+    assert mx.array_equal(prompt_and_verify_logits(model, prompt), before)
+    assert weight_bytes(model) == bytes_before
     # (The fused weights' buffers may round up a few kB more than the
     # originals'; a 512-token forward's outputs held would be MBs.)
     assert held_after_a_forward() <= held_before + 64 * 1024
