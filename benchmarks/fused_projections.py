@@ -93,6 +93,15 @@ def fuse_projections(model) -> None:
                 setattr(owner, name, Part(fused, i))
 
 
+def verify_logits(target, cache, taps, rows: int) -> mx.array:
+    """A verify's logits (float32), its cache entries rolled back."""
+    out = target(mx.array([[7] * rows], mx.uint32), cache, taps)
+    mx.eval(out.logits)
+    for c in cache:
+        c.trim(rows)
+    return out.logits.astype(mx.float32)
+
+
 def verify_ms(target, cache, taps, rows: int) -> float:
     tokens = mx.array([[7] * rows], mx.uint32)
 
@@ -121,15 +130,8 @@ def main(argv=None):
     mx.eval(target(prompt, cache, drafter.taps).logits)
     mx.eval([c.state for c in cache])
 
-    def logits(rows):
-        out = target(mx.array([[7] * rows], mx.uint32), cache, drafter.taps)
-        mx.eval(out.logits)
-        for c in cache:
-            c.trim(rows)
-        return out.logits.astype(mx.float32)
-
     before = {rows: verify_ms(target, cache, drafter.taps, rows) for rows in args.rows}
-    reference = logits(max(args.rows))
+    reference = verify_logits(target, cache, drafter.taps, max(args.rows))
     fuse_projections(model.model)
     mx.eval(model.parameters())
     after = {rows: verify_ms(target, cache, drafter.taps, rows) for rows in args.rows}
@@ -140,7 +142,9 @@ def main(argv=None):
         "context": args.context,
         "verify_ms": {rows: round(before[rows], 2) for rows in args.rows},
         "fused_verify_ms": {rows: round(after[rows], 2) for rows in args.rows},
-        "fused_logits_max_change": float(mx.abs(logits(max(args.rows)) - reference).max()),
+        "fused_logits_max_change": float(
+            mx.abs(verify_logits(target, cache, drafter.taps, max(args.rows)) - reference).max()
+        ),
     }
     print(json.dumps(line), flush=True)
     if args.out:

@@ -8,8 +8,9 @@ last-level cache: 50 MB on an H100, 60 on an H200), so that the weights are
 read from device memory as in a forward, not from the cache. Each shape is
 timed 4-bit (MLX's affine quantization, group 64, as
 ``mlx-community/gemma-4-12b-it-4bit``) and bf16, each row count against one
-row of the same precision (each shape in ms per copy, so against the
-forward's own verify the sums run high: one row's is each launch's cost).
+row of the same precision (each shape in ms per copy, with the copy of
+its rows that passes them on, so against the forward's own verify the sums
+run high: one row's is each launch's cost, see ``chained``).
 JSON lines to stdout (and ``--out``).
 
 On MLX-CUDA a 4-bit verify of 8 rows cost about three plain steps where a
@@ -69,11 +70,12 @@ def chained(x, made: list, bits: int):
     before's outputs, as a forward's layers do: independent matmuls run side
     by side on a GPU and hide what one costs on its own (on an H100, 48 of
     the 4-bit 12B's MLPs at 8 rows took 5.4 ms side by side where a forward's
-    took about 20 ms more than at one row). ``mx.depends`` does not order
+    took about 20 ms more than at one row). ``mx.depends`` would not order
     them on MLX-CUDA: it launches nothing, so the next matmul, reading ``x``,
-    waits for nothing (session 36 read 8 rows at 0.94x one row that way).
-    Each link copies the rows it passes on (at most 8 x 15360 values), the
-    same small kernel at every row count."""
+    would wait for nothing. Each link copies the rows it passes on (tiled or
+    cut to the chain's width: a kernel of a few microseconds, growing with
+    the rows), so a shape's time carries its copy, and where a matmul takes
+    tens of microseconds its ratios to one row understate."""
     inputs = x.shape[-1]
     for w in made:
         y = matmul(x, w, bits)

@@ -20,43 +20,58 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import shapes
-from fused_projections import verify_ms
+from fused_projections import verify_logits, verify_ms
 from mlx_dspark.speculative.engine import adapt_target
 from timing import backend
 
 
 class SplitK(nn.Module):
-    """A quantized linear map (no bias) as ``parts`` maps over consecutive
-    slices of its inputs, summed."""
+    """An affine-quantized linear map (no bias) as ``parts`` maps over
+    consecutive slices of its inputs, summed. The inputs are laid out part
+    by part in one copy, so that each part's matmul reads contiguous rows."""
 
     def __init__(self, linear: nn.QuantizedLinear, parts: int):
         super().__init__()
-        self.group_size, self.bits, self.mode = linear.group_size, linear.bits, linear.mode
-        k = linear.scales.shape[-1] * linear.group_size
-        self.inputs = [(i * k // parts, (i + 1) * k // parts) for i in range(parts)]
-        packed = 32 // linear.bits
-        self.weights = [mx.contiguous(linear.weight[:, a // packed : b // packed]) for a, b in self.inputs]
-        groups = [(a // linear.group_size, b // linear.group_size) for a, b in self.inputs]
-        self.scales = [mx.contiguous(linear.scales[:, a:b]) for a, b in groups]
-        self.biases = [mx.contiguous(linear.biases[:, a:b]) for a, b in groups]
+        self.group_size, self.bits, self.parts = linear.group_size, linear.bits, parts
+        packed, groups = linear.weight.shape[-1] // parts, linear.scales.shape[-1] // parts
+        self.weights = [mx.contiguous(linear.weight[:, i * packed : (i + 1) * packed]) for i in range(parts)]
+        self.scales = [mx.contiguous(linear.scales[:, i * groups : (i + 1) * groups]) for i in range(parts)]
+        self.biases = [mx.contiguous(linear.biases[:, i * groups : (i + 1) * groups]) for i in range(parts)]
         mx.eval(self.parameters())
 
     def __call__(self, x):
-        return sum(
-            mx.quantized_matmul(
-                x[..., a:b], w, s, bi, transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode
-            )
-            for (a, b), w, s, bi in zip(self.inputs, self.weights, self.scales, self.biases)
-        )
+        *lead, k = x.shape
+        xs = mx.contiguous(mx.moveaxis(x.reshape(*lead, self.parts, k // self.parts), -2, 0))
+        y = None
+        for x_i, w, s, b in zip(xs, self.weights, self.scales, self.biases):
+            part = mx.quantized_matmul(x_i, w, s, b, transpose=True, group_size=self.group_size, bits=self.bits)
+            y = part if y is None else y + part
+        return y
 
 
-def split_projections(model, parts: int) -> None:
+def splittable(module, parts: int) -> bool:
+    """An affine-quantized map without a bias, of 2, 4 or 8 bits (whole
+    values to a packed word), whose groups divide into ``parts``."""
+    return (
+        isinstance(module, nn.QuantizedLinear)
+        and module.mode == "affine"
+        and 32 % module.bits == 0
+        and "bias" not in module
+        and module.scales.shape[-1] % parts == 0
+    )
+
+
+def split_projections(model, parts: int) -> int:
+    """Each layer's attention and MLP projections that split into ``parts``
+    (``splittable``), split in place; returns how many were."""
+    split = 0
     for layer in model.layers:
         for block in (layer.self_attn, layer.mlp):
             for name, module in list(block.children().items()):
-                groups = module.scales.shape[-1] if isinstance(module, nn.QuantizedLinear) else 0
-                if groups and groups % parts == 0 and "bias" not in module:
+                if splittable(module, parts):
                     setattr(block, name, SplitK(module, parts))
+                    split += 1
+    return split
 
 
 def main(argv=None):
@@ -68,26 +83,21 @@ def main(argv=None):
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     drafter = shapes.make_drafter(args.scale)
-    prompt = None
+    vocab = shapes.target_config(args.scale)["vocab_size"]
+    prompt = mx.random.randint(5, vocab, (1, args.context), key=mx.random.key(1)).astype(mx.uint32)
     lines = []
     for parts in [1] + args.splits:
-        mx.random.seed(0)
+        mx.random.seed(0)  # the same weights, split or not
         model = shapes.make_target(args.scale, bits=4)
-        if parts > 1:
-            split_projections(model.model, parts)
+        split = split_projections(model.model, parts) if parts > 1 else 0
         target = adapt_target(model, drafter)
         cache = target.make_cache(max(args.rows))
-        if prompt is None:
-            prompt = mx.random.randint(5, model.args.vocab_size, (1, args.context)).astype(mx.uint32)
         mx.eval(target(prompt, cache, drafter.taps).logits)
-        out = target(mx.array([[7] * max(args.rows)], mx.uint32), cache, drafter.taps)
-        logits = out.logits.astype(mx.float32)
-        mx.eval(logits)
-        for c in cache:
-            c.trim(max(args.rows))
+        logits = verify_logits(target, cache, drafter.taps, max(args.rows))
         line = {
             "bits": 4,
             "splits": parts,
+            "projections_split": split,
             "backend": backend(),
             "mlx": mx.__version__,
             "context": args.context,

@@ -439,22 +439,33 @@ def prompt_and_verify_logits(model, prompt):
 
 def test_split_k_computes_the_same_logits_in_the_same_memory(bench):
     """The tiny target, 4-bit in groups of 32, with every layer's quantized
-    projections split along their inputs into two summed matmuls: the same
-    logits within float32 rounding over a prompt and a verify of 5 rows, the
-    same weight bytes; a projection of one group stays as it was."""
+    projections split along their inputs into two summed matmuls: each one
+    split, the same logits within float32 rounding over a prompt and a
+    verify of 5 rows, the same weight bytes, and no more memory held (the
+    originals go); a projection of 3 groups stays as it was."""
     import mlx.nn as nn
 
     split_k = bench("split_k")
     model = tiny_4bit_target(bench, group_size=32)
     prompt = mx.random.randint(0, 500, (1, 300), key=mx.random.key(0))
     before, bytes_before = prompt_and_verify_logits(model, prompt), weight_bytes(model)
-    one_group = nn.QuantizedLinear(32, 16, bias=False, group_size=32, bits=4)
-    model.model.layers[0].mlp.one_group = one_group
-    split_k.split_projections(model.model, 2)
+    projections = sum(
+        isinstance(m, nn.QuantizedLinear)
+        for layer in model.model.layers
+        for block in (layer.self_attn, layer.mlp)
+        for m in block.children().values()
+    )
+    three_groups = nn.QuantizedLinear(96, 16, bias=False, group_size=32, bits=4)
+    model.model.layers[0].mlp.three_groups = three_groups
+    mx.eval(model.parameters())
+    held_before = mx.get_active_memory()
+    assert split_k.split_projections(model.model, 2) == projections > 0
     layer = model.model.layers[0]
     assert isinstance(layer.mlp.down_proj, split_k.SplitK) and isinstance(layer.self_attn.q_proj, split_k.SplitK)
-    assert layer.mlp.one_group is one_group
-    del layer.mlp.one_group
+    assert layer.mlp.three_groups is three_groups
+    mx.eval(model.parameters())
+    assert mx.get_active_memory() <= held_before + 64 * 1024
+    del layer.mlp.three_groups
     assert mx.allclose(prompt_and_verify_logits(model, prompt), before, rtol=1e-4, atol=1e-4)
     assert weight_bytes(model) == bytes_before
 
