@@ -7,8 +7,9 @@ and acceptance kept across generations as a drafter's scheduler keeps them),
 on a clock that moves by each round's simulated time: a plain round takes
 ``--plain-ms``, a drafting round its padded verify and draft from the costs
 plus ``--drafting-extra-ms`` (the host's work and launch, which the measured
-costs leave out), and the first drafting round after plain ones
-``--after-parked-ms`` more (a change of shape). Each time is drawn with a
+costs leave out), the first drafting round after plain ones
+``--after-parked-ms`` more and the first plain round after drafting ones
+``--after-drafting-ms`` more (changes of shape). Each time is drawn with a
 relative spread of ``--spread``. Acceptance is replayed as in the paired
 benchmark (each draft kept with the chance that gives tau) by generation:
 ``--taus 2 6`` alternates a tau-2 and a tau-6 generation. One warm-up
@@ -75,7 +76,7 @@ def load_costs(path: Path, depth: int) -> RoundCosts:
 
 def simulate(
     costs, drafts, taus, plain, extra, after_parked, spread, generations, tokens, seed,
-    decay=DECAY, fresh=False,
+    decay=DECAY, fresh=False, after_drafting=0.0,
 ):
     """(plain decoding's time over the paced stream's, and over drafting
     every round's as ``fixed`` does, unpadded; the share of rounds that
@@ -97,7 +98,7 @@ def simulate(
         kept = conditional_for_tau(taus[g % len(taus)], drafts)
         pacing = Pacing(scheduler, None, drafts)
         spent = made = 0
-        was_drafting = True
+        was_drafting = None  # a generation's first round changes no shape
         while made < tokens:
             k = pacing.drafts(drafts, 2048)
             accepted = 0
@@ -106,9 +107,9 @@ def simulate(
             if k:
                 pacing.verifies(k, 2048, k)
                 took = seconds(padded.verify[k] + padded.drafting(k) + extra)
-                took += 0.0 if was_drafting else after_parked
+                took += after_parked if was_drafting is False else 0.0
             else:
-                took = seconds(plain)
+                took = seconds(plain) + (after_drafting if was_drafting else 0.0)
             clock.now += took
             pacing.update(k, accepted)
             was_drafting = k > 0
@@ -140,6 +141,7 @@ def main(argv=None):
     parser.add_argument("--plain-ms", type=float, required=True, help="a plain step, pipelined")
     parser.add_argument("--drafting-extra-ms", type=float, default=0.0)
     parser.add_argument("--after-parked-ms", type=float, default=0.0)
+    parser.add_argument("--after-drafting-ms", type=float, default=0.0)
     parser.add_argument("--spread", type=float, default=0.05)
     parser.add_argument("--taus", type=float, nargs="+", default=[3.3])
     parser.add_argument("--generations", type=int, default=8)
@@ -163,7 +165,7 @@ def main(argv=None):
         simulate(
             costs, drafts, args.taus, args.plain_ms / 1000, args.drafting_extra_ms / 1000,
             args.after_parked_ms / 1000, args.spread, args.generations, args.tokens, seed,
-            args.decay, args.fresh,
+            args.decay, args.fresh, args.after_drafting_ms / 1000,
         )
         for seed in range(args.seeds)
     ]

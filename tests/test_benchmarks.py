@@ -519,6 +519,55 @@ def test_pacing_sim_reads_drafting_every_round_and_the_engines_pacing(bench, tmp
             pacing_sim.main(base + ["--decay", decay])
 
 
+def test_pacing_sim_charges_each_change_of_shape_once(bench, monkeypatch):
+    """A drafting round right after plain ones costs ``after_parked`` more,
+    a plain round right after drafting ones ``after_drafting`` more, and a
+    generation's first round neither: with rounds that alternate, the paced
+    time grows by exactly the changes of each kind (the acceptance drawn the
+    same, so plain decoding's time is too)."""
+    pacing_sim = bench("pacing_sim")
+    generations = []
+
+    class Alternating:
+        def __init__(self, *args):
+            generations.append([])
+
+        def drafts(self, cap, depth):
+            rounds = generations[-1]
+            rounds.append(0 if rounds and rounds[-1] else cap)
+            return rounds[-1]
+
+        def verifies(self, *args):
+            pass
+
+        def update(self, *args):
+            pass
+
+    monkeypatch.setattr(pacing_sim, "Pacing", Alternating)
+    costs = pacing_sim.RoundCosts(0.004, [0.010, 0.016, 0.016, 0.016], None, 3)
+
+    def paced(after_parked=0.0, after_drafting=0.0):
+        """Paced time over plain decoding's, and each kind of change."""
+        generations.clear()
+        plain_over_paced, *_ = pacing_sim.simulate(
+            costs, 3, [6.0], 0.010, 0.0, after_parked, 0.0, 2, 20, 0,
+            fresh=True, after_drafting=after_drafting,
+        )
+        pairs = [(a, b) for g in generations for a, b in zip(g, g[1:])]
+        into_drafting = sum(1 for a, b in pairs if a == 0 and b > 0)
+        into_plain = sum(1 for a, b in pairs if a > 0 and b == 0)
+        return 1 / plain_over_paced, into_drafting, into_plain
+
+    base, into_drafting, into_plain = paced()
+    assert len(generations) == 2 and into_drafting > 0 and into_plain > 0
+    with_parked, *_ = paced(after_parked=0.05)
+    with_drafting, *_ = paced(after_drafting=0.07)
+    # Both in units of plain decoding's time, the same in each run.
+    assert (with_parked - base) / (with_drafting - base) == pytest.approx(
+        into_drafting * 0.05 / (into_plain * 0.07)
+    )
+
+
 def test_fused_projections_compute_the_same_logits_in_the_same_memory(bench):
     """The tiny target, 4-bit, with each layer's q/k/v and gate/up fused:
     the same logits bit for bit (float32, on the CPU) over a prompt and a
