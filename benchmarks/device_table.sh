@@ -12,14 +12,15 @@
 # (`paired.py --probe-share`), best run in the call after `4bit`. `kernels`:
 # the 4-bit and bf16 matmuls by rows (`quantized_rows.py`) and the 4-bit
 # verify with q/k/v and gate/up fused (`fused_projections.py`) and with its
-# matmuls split along K (`split_k.py`): about 90 s without `split_k.py`, whose
-# three 12B builds have not been timed yet.
+# matmuls split along K (`split_k.py`): about 90 s without `split_k.py` on an
+# H100, and `split_k.py`'s three 12B builds about 100 s more on an H200.
 # `fresh`: the 4-bit rows with each speculative run paced as a fresh
 # process's only generation (`paired.py --fresh`, as `mlx_lm.generate` runs).
 # `graphcache`: `fresh` again with MLX-CUDA's CUDA graph cache at 4000 graphs,
 # not 100: on an H100 a parked round right after a drafting one took 25-32 ms
 # against a plain step's 11, and session 11 saw a larger cache remove the
-# cost of a change of shape in a warm process.
+# cost of a change of shape in a warm process. (On an H200 in session 37 it did
+# not remove this one: see BENCHMARKS.md.)
 set -euo pipefail
 export PYTHONPATH=~/site
 export MLX_DSPARK_CACHE="${MLX_DSPARK_CACHE:-$HOME/mdc}"
