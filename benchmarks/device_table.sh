@@ -20,7 +20,9 @@
 # not 100: on an H100 a parked round right after a drafting one took 25-32 ms
 # against a plain step's 11, and session 11 saw a larger cache remove the
 # cost of a change of shape in a warm process. (On an H200 in session 37 it did
-# not remove this one: see BENCHMARKS.md.)
+# not remove this one: see BENCHMARKS.md.) `nographs`: `fresh` again with CUDA
+# graphs off, to tell whether they or the plain pipeline's restart make that
+# round slow (bf16 rows, graphs off, paid 2-8 ms more than a plain step there).
 set -euo pipefail
 export PYTHONPATH=~/site
 export MLX_DSPARK_CACHE="${MLX_DSPARK_CACHE:-$HOME/mdc}"
@@ -46,6 +48,10 @@ fi
 if [[ $parts == *" graphcache "* ]]; then
     MLX_CUDA_GRAPH_CACHE_SIZE=4000 paired --fresh --context 2048 --target-bits 4 \
         --drafters assistant dspark dflash --out "$OUT/paired-ctx2048-4bit-fresh-cache4000.jsonl"
+fi
+if [[ $parts == *" nographs "* ]]; then
+    MLX_USE_CUDA_GRAPHS=0 paired --fresh --context 2048 --target-bits 4 \
+        --drafters assistant dspark dflash --out "$OUT/paired-ctx2048-4bit-fresh-nographs.jsonl"
 fi
 if [[ $parts == *" bf16 "* ]]; then
     paired --context 2048 --target-bits 16 --drafters dspark assistant dflash \
