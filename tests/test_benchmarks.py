@@ -470,6 +470,44 @@ def test_split_k_computes_the_same_logits_in_the_same_memory(bench):
     assert weight_bytes(model) == bytes_before
 
 
+def test_multirow_routes_2_to_8_rows_of_4_bit_projections_and_nothing_else(bench):
+    """The tiny target, 4-bit in groups of 32, with every layer projection
+    routed through a stand-in for the CUDA kernel (dequantize, then
+    matmul): a 300-token prompt runs MLX's own matmuls (the same logits,
+    bit for bit), a verify of 5 rows the stand-in (called at 5 rows, the
+    logits within float32 rounding); 8-bit and biased projections are left
+    as they were."""
+    import mlx.nn as nn
+
+    multirow = bench("multirow_qmv")
+    model = tiny_4bit_target(bench, group_size=32)
+    prompt = mx.random.randint(0, 500, (1, 300), key=mx.random.key(0))
+    before = prompt_and_verify_logits(model, prompt)
+    rows_seen = []
+
+    def stand_in(x, w, scales, biases, group_size):
+        rows_seen.append(x.shape[0])
+        return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
+
+    mlp = model.model.layers[0].mlp
+    mlp.eight_bit = nn.QuantizedLinear(64, 16, bias=False, group_size=32, bits=8)
+    mlp.biased = nn.QuantizedLinear(64, 16, bias=True, group_size=32, bits=4)
+    projections = sum(
+        isinstance(m, nn.QuantizedLinear) and m.bits == 4 and "bias" not in m
+        for layer in model.model.layers
+        for block in (layer.self_attn, layer.mlp)
+        for m in block.children().values()
+    )
+    assert multirow.route_projections(model.model, stand_in) == projections > 0
+    assert isinstance(mlp.down_proj, multirow.Multirow)
+    assert isinstance(mlp.eight_bit, nn.QuantizedLinear) and isinstance(mlp.biased, nn.QuantizedLinear)
+    del mlp.eight_bit, mlp.biased
+    after = prompt_and_verify_logits(model, prompt)
+    assert set(rows_seen) == {5}
+    assert mx.array_equal(after[:, :300], before[:, :300])
+    assert mx.allclose(after[:, 300:], before[:, 300:], rtol=1e-4, atol=1e-4)
+
+
 def test_pacing_sim_reads_drafting_every_round_and_the_engines_pacing(bench, tmp_path, monkeypatch):
     """The simulation's profile is read at its deepest bucket measured in
     full, its one-draft cost kept; drafting every round is the replayed
