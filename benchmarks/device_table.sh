@@ -23,6 +23,10 @@
 # not remove this one: see BENCHMARKS.md.) `nographs`: `fresh` again with CUDA
 # graphs off, to tell whether they or the plain pipeline's restart make that
 # round slow (bf16 rows, graphs off, paid 2-8 ms more than a plain step there).
+# `multirow`: `multirow_qmv.py` (a CUDA kernel of our own for 2-8 rows of a
+# 4-bit projection, checked per shape and timed in the verify), then the 4-bit
+# rows with the target's projections on it (`paired.py --multirow`, costs
+# measured into a cache of their own).
 set -euo pipefail
 export PYTHONPATH=~/site
 export MLX_DSPARK_CACHE="${MLX_DSPARK_CACHE:-$HOME/mdc}"
@@ -52,6 +56,11 @@ fi
 if [[ $parts == *" nographs "* ]]; then
     MLX_USE_CUDA_GRAPHS=0 paired --fresh --context 2048 --target-bits 4 \
         --drafters assistant dspark dflash --out "$OUT/paired-ctx2048-4bit-fresh-nographs.jsonl"
+fi
+if [[ $parts == *" multirow "* ]]; then
+    python3 multirow_qmv.py --out "$OUT/multirow-qmv.jsonl"
+    MLX_DSPARK_CACHE="$MLX_DSPARK_CACHE-multirow" paired --multirow --context 2048 --target-bits 4 \
+        --drafters assistant dspark dflash --out "$OUT/paired-ctx2048-4bit-multirow.jsonl"
 fi
 if [[ $parts == *" bf16 "* ]]; then
     paired --context 2048 --target-bits 16 --drafters dspark assistant dflash \

@@ -102,6 +102,29 @@ def verify_logits(target, cache, taps, rows: int) -> mx.array:
     return out.logits.astype(mx.float32)
 
 
+def prefilled(scale: int, bits, rows: int, context: int):
+    """The 12B-shaped target (``bits`` None: bf16) and a DSpark drafter,
+    adapted, its engine caches (for verifies of ``rows``) holding a random
+    ``context``-token prompt: ``(model, drafter, target, cache)``."""
+    model = shapes.make_target(scale, bits=bits)
+    drafter = shapes.make_drafter(scale)
+    target = adapt_target(model, drafter)
+    cache = target.make_cache(rows)
+    prompt = mx.random.randint(5, model.args.vocab_size, (1, context)).astype(mx.uint32)
+    mx.eval(target(prompt, cache, drafter.taps).logits)
+    mx.eval([c.state for c in cache])
+    return model, drafter, target, cache
+
+
+def report(line: dict, out) -> dict:
+    """``line`` as JSON to stdout, and appended to the file ``out`` if given."""
+    print(json.dumps(line), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    return line
+
+
 def verify_ms(target, cache, taps, rows: int) -> float:
     tokens = mx.array([[7] * rows], mx.uint32)
 
@@ -122,14 +145,8 @@ def main(argv=None):
     parser.add_argument("--scale", type=int, default=1, choices=[1, 2, 4], help="shrink the 12B shapes")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    model = shapes.make_target(args.scale, bits=None if args.bits == 16 else args.bits)
-    drafter = shapes.make_drafter(args.scale)
-    target = adapt_target(model, drafter)
-    cache = target.make_cache(max(args.rows))
-    prompt = mx.random.randint(5, model.args.vocab_size, (1, args.context)).astype(mx.uint32)
-    mx.eval(target(prompt, cache, drafter.taps).logits)
-    mx.eval([c.state for c in cache])
-
+    bits = None if args.bits == 16 else args.bits
+    model, drafter, target, cache = prefilled(args.scale, bits, max(args.rows), args.context)
     before = {rows: verify_ms(target, cache, drafter.taps, rows) for rows in args.rows}
     reference = verify_logits(target, cache, drafter.taps, max(args.rows))
     fuse_projections(model.model)
@@ -146,11 +163,7 @@ def main(argv=None):
             mx.abs(verify_logits(target, cache, drafter.taps, max(args.rows)) - reference).max()
         ),
     }
-    print(json.dumps(line), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(line) + "\n")
-    return line
+    return report(line, args.out)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ dequantizes a packed word once and applies it to all the rows.
 
 It checks the kernel per projection shape against a float32 reference (and
 MLX's own kernel against the same), then times the verify (on the engine's
-caches, at ``--context``) as it is and with every layer projection routed
-through the kernel at 2-8 rows, and how far the logits moved. JSON lines to
+caches, at ``--context``) as it is and with every layer projection and the
+tied output head routed through the kernel at 2-8 rows (``--columns``
+outputs a warp), and how far the logits moved. JSON lines to
 stdout (and ``--out``). CUDA only.
 
     python multirow_qmv.py --rows 1 2 8
@@ -27,9 +28,7 @@ import json
 import mlx.core as mx
 import mlx.nn as nn
 
-import shapes
-from fused_projections import verify_logits, verify_ms
-from mlx_dspark.speculative.engine import adapt_target
+from fused_projections import prefilled, report, verify_logits, verify_ms
 from quantized_rows import GROUP_SIZE, layer_shapes
 from timing import backend
 
@@ -147,7 +146,7 @@ def fits(linear) -> bool:
     (a lane's 32 weights in one group), whole 4-word steps, whole warps'
     columns."""
     return (
-        isinstance(linear, nn.QuantizedLinear)
+        isinstance(linear, (nn.QuantizedLinear, nn.QuantizedEmbedding))
         and linear.mode == "affine"
         and linear.bits == 4
         and "bias" not in linear
@@ -155,6 +154,17 @@ def fits(linear) -> bool:
         and linear.weight.shape[-1] % 4 == 0
         and linear.weight.shape[0] % 8 == 0
     )
+
+
+def multirow_or(mlx_matmul, quantized, matmul, x):
+    """``x`` times ``quantized``'s weights by ``matmul`` at ``ROWS`` rows,
+    by ``mlx_matmul`` at any other count."""
+    *lead, inputs = x.shape
+    rows = x.size // inputs
+    if rows not in ROWS:
+        return mlx_matmul(x)
+    q = quantized
+    return matmul(x.reshape(rows, inputs), q.weight, q.scales, q.biases, q.group_size).reshape(*lead, -1)
 
 
 class Multirow(nn.Module):
@@ -167,13 +177,19 @@ class Multirow(nn.Module):
         self.matmul = matmul
 
     def __call__(self, x):
-        *lead, inputs = x.shape
-        rows = x.size // inputs
-        if rows not in ROWS:
-            return self.linear(x)
-        lin = self.linear
-        y = self.matmul(x.reshape(rows, inputs), lin.weight, lin.scales, lin.biases, lin.group_size)
-        return y.reshape(*lead, -1)
+        return multirow_or(self.linear, self.linear, self.matmul, x)
+
+
+def route_head(model, matmul=multirow_matmul) -> bool:
+    """A tied 4-bit output head (``embed_tokens.as_linear``, as Gemma-4's)
+    routed as the projections are (again: the last ``matmul`` wins);
+    whether it was."""
+    embed = model.embed_tokens
+    if not fits(embed):
+        return False
+    mlx_matmul = type(embed).as_linear.__get__(embed)
+    embed.as_linear = functools.partial(multirow_or, mlx_matmul, embed, matmul)
+    return True
 
 
 def route_projections(model, matmul=multirow_matmul) -> int:
@@ -224,21 +240,17 @@ def main(argv=None):
     errors = shape_errors(args.check_rows)
     print(json.dumps({"shape_errors": errors}), flush=True)
 
-    model = shapes.make_target(args.scale, bits=4)
-    drafter = shapes.make_drafter(args.scale)
-    target = adapt_target(model, drafter)
-    cache = target.make_cache(max(args.rows))
-    prompt = mx.random.randint(5, model.args.vocab_size, (1, args.context)).astype(mx.uint32)
-    mx.eval(target(prompt, cache, drafter.taps).logits)
-    mx.eval([c.state for c in cache])
+    model, drafter, target, cache = prefilled(args.scale, 4, max(args.rows + [8]), args.context)
     before = {rows: round(verify_ms(target, cache, drafter.taps, rows), 2) for rows in args.rows}
     reference = verify_logits(target, cache, drafter.taps, 8)
     routed = route_projections(model.model)
     after, logits = {}, None
     for columns in args.columns:
+        matmul = functools.partial(multirow_matmul, columns=columns)
         for module in model.model.modules():
             if isinstance(module, Multirow):
-                module.matmul = functools.partial(multirow_matmul, columns=columns)
+                module.matmul = matmul
+        head = route_head(model.model, matmul)
         after[columns] = {rows: round(verify_ms(target, cache, drafter.taps, rows), 2) for rows in args.rows}
         if logits is None:
             logits = verify_logits(target, cache, drafter.taps, 8)
@@ -248,6 +260,7 @@ def main(argv=None):
         "mlx": mx.__version__,
         "context": args.context,
         "projections_routed": routed,
+        "head_routed": head,
         "verify_ms": before,
         "multirow_verify_ms_by_columns": after,
         "logits_max_change": float(mx.abs(logits - reference).max()),
@@ -255,11 +268,7 @@ def main(argv=None):
         "same_argmax": float((logits.argmax(-1) == reference.argmax(-1)).astype(mx.float32).mean()),
         "shape_errors": errors,
     }
-    print(json.dumps({k: v for k, v in line.items() if k != "shape_errors"}), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(line) + "\n")
-    return line
+    return report(line, args.out)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ def markdown(row: dict) -> str:
         f"`{row['scheduler']}`"
         + (f", probes {row['probe_share']}" if "probe_share" in row else "")
         + (", fresh" if row.get("fresh") else "")
+        + (", multirow kernel" if row.get("multirow") else "")
         + "".join(f", {k}={v}" for k, v in other_launch_settings(row).items()),
         f"{row['plain_tok_s']:.1f}, {row['spec_tok_s']:.1f}",
         f"{row['speedup']:.2f}× ({low:.2f}-{high:.2f})",

@@ -183,6 +183,33 @@ def test_paired_fresh_forgets_the_pacing_before_each_speculative_run(bench, monk
     assert forgotten == ["cost"] * 3 and json.loads(out.read_text())["fresh"] is True
 
 
+def test_paired_multirow_routes_the_4_bit_targets_verifies_and_says_so(bench, monkeypatch, tmp_path):
+    """``--multirow`` routes the 4-bit target's projections through the
+    kernel (here a stand-in that dequantizes), which sees only a verify's
+    2-8 rows (never plain decoding's one, nor the prompt's), and its rows say
+    so; it refuses a target that is not 4-bit."""
+    paired, multirow = bench("paired"), bench("multirow_qmv")
+    rows_seen = []
+
+    def stand_in(x, w, scales, biases, group_size):
+        rows_seen.append(x.shape[0])
+        return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
+
+    monkeypatch.setattr(multirow, "multirow_matmul", stand_in)
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "costs"))
+    out = tmp_path / "paired.jsonl"
+    argv = ["paired.py", "--scale", "16", "--context", "32", "--taus", "6", "--max-tokens", "6"]
+    argv += ["--pairs", "1", "--drafters", "dspark", "--schedulers", "fixed", "--target-bits", "4"]
+    argv += ["--multirow", "--out", str(out)]
+    monkeypatch.setattr("sys.argv", argv)
+    paired.main()
+    assert rows_seen and set(rows_seen) <= set(range(2, 9))
+    assert json.loads(out.read_text())["multirow"] is True
+    monkeypatch.setattr("sys.argv", argv[:-4] + ["16", "--multirow"])
+    with pytest.raises(SystemExit):
+        paired.main()
+
+
 def test_every_mutant_names_code_that_occurs_once(bench):
     """Each mutant of ``benchmarks/mutation.py`` names its code by its text,
     which must occur once in its file, and no two mutants are one: code
@@ -360,6 +387,7 @@ def test_the_table_reads_each_paired_row_against_the_issues_goal(bench):
     assert "| 1.09 (0.97-1.12) | 16.7 + 3.8, 1.0 | met |" in table.markdown(per_pair)
     assert "| `cost`, probes 0.01 |" in table.markdown(dict(row, probe_share=0.01))
     assert "| `cost`, fresh |" in table.markdown(dict(row, fresh=True))
+    assert "| `cost`, multirow kernel |" in table.markdown(dict(row, multirow=True))
     # Launch settings other than the commands' own for the target are named.
     assert "| `cost` |" in table.markdown(dict(row, launch_settings={"MLX_USE_CUDA_GRAPHS": "0"}))
     cache = {"MLX_CUDA_GRAPH_CACHE_SIZE": "4000"}
@@ -472,11 +500,11 @@ def test_split_k_computes_the_same_logits_in_the_same_memory(bench):
 
 def test_multirow_routes_2_to_8_rows_of_4_bit_projections_and_nothing_else(bench):
     """The tiny target, 4-bit in groups of 32, with every layer projection
-    routed through a stand-in for the CUDA kernel (dequantize, then
-    matmul): a 300-token prompt runs MLX's own matmuls (the same logits,
-    bit for bit), a verify of 5 rows the stand-in (called at 5 rows, the
-    logits within float32 rounding); 8-bit and biased projections are left
-    as they were."""
+    and its tied output head routed through a stand-in for the CUDA kernel
+    (dequantize, then matmul): a 300-token prompt runs MLX's own matmuls
+    (the same logits, bit for bit), a verify of 5 rows the stand-in (called
+    at 5 rows, the logits within float32 rounding); 8-bit and biased
+    projections are left as they were."""
     import mlx.nn as nn
 
     multirow = bench("multirow_qmv")
@@ -499,11 +527,12 @@ def test_multirow_routes_2_to_8_rows_of_4_bit_projections_and_nothing_else(bench
         for m in block.children().values()
     )
     assert multirow.route_projections(model.model, stand_in) == projections > 0
+    assert multirow.route_head(model.model, stand_in)
     assert isinstance(mlp.down_proj, multirow.Multirow)
     assert isinstance(mlp.eight_bit, nn.QuantizedLinear) and isinstance(mlp.biased, nn.QuantizedLinear)
     del mlp.eight_bit, mlp.biased
     after = prompt_and_verify_logits(model, prompt)
-    assert set(rows_seen) == {5}
+    assert set(rows_seen) == {5} and len(rows_seen) == projections + 1
     assert mx.array_equal(after[:, :300], before[:, :300])
     assert mx.allclose(after[:, 300:], before[:, 300:], rtol=1e-4, atol=1e-4)
 
