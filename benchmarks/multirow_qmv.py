@@ -131,6 +131,8 @@ def multirow_matmul(x, w, scales, biases, group_size: int, columns: int = COLUMN
     ``w`` [N, K / 8]), by the kernel, ``columns`` outputs a warp."""
     rows, inputs = x.shape
     outputs = w.shape[0]
+    if outputs % columns or inputs % 32 or not 1 <= rows <= 8:
+        raise ValueError(f"the kernel takes 1-8 rows, inputs in 32s, outputs in {columns}s")
     return kernel()(
         inputs=[x, w, scales.astype(x.dtype), biases.astype(x.dtype)],
         template=[("T", x.dtype), ("M", rows), ("K", inputs), ("N", outputs), ("G", group_size), ("C", columns)],
