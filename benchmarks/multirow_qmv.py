@@ -18,17 +18,19 @@ tied output head routed through the kernel at 2-8 rows (``--columns``
 outputs a warp), and how far the logits moved. JSON lines to
 stdout (and ``--out``). CUDA only.
 
-    python multirow_qmv.py --rows 1 2 8
+    python multirow_qmv.py --rows 1 2 4 8
 """
 
 import argparse
 import functools
 import json
+import zlib
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from fused_projections import prefilled, report, verify_logits, verify_ms
+import quantized_rows
 from quantized_rows import GROUP_SIZE, layer_shapes
 from timing import backend
 
@@ -118,8 +120,10 @@ SOURCE = """
 
 @functools.lru_cache(maxsize=None)
 def kernel():
+    # MLX keeps compiled kernels on disk by name and template values, not by
+    # source: a name of the source's own, so an edited kernel is compiled anew.
     return mx.fast.cuda_kernel(
-        name="multirow_qmv",
+        name=f"multirow_qmv_{zlib.crc32(SOURCE.encode()):08x}",
         input_names=["x", "w", "scales", "biases"],
         output_names=["y"],
         source=SOURCE,
@@ -207,14 +211,22 @@ def route_projections(model, matmul=multirow_matmul) -> int:
     return routed
 
 
-def shape_errors(rows) -> dict:
-    """Per 12B projection shape and row count, the largest error of the
-    kernel and of MLX's ``quantized_matmul`` against float32, over the
-    reference's largest value."""
+def kernel_product(x, w, bits: int):
+    """``quantized_rows.chained``'s matmul ([1, M, K] inputs) by the kernel."""
+    return multirow_matmul(x[0], *w, GROUP_SIZE)[None]
+
+
+def shape_report(rows, cache_mb: int, repeats: int) -> dict:
+    """Per 12B projection shape and row count: the largest error of the
+    kernel and of MLX's ``quantized_matmul`` against float32 (over the
+    reference's largest value), and the ms a matmul of each takes, each
+    waiting for the one before over weight copies beyond the cache
+    (``quantized_rows.chained``: a small copy a link included); MLX's at one
+    row too, the kernel's baseline."""
     report = {}
     for name, (inputs, outputs) in layer_shapes().items():
-        w = (mx.random.normal((outputs, inputs)) * inputs**-0.5).astype(mx.bfloat16)
-        q = mx.quantize(w, group_size=GROUP_SIZE, bits=4)
+        made = quantized_rows.weights(inputs, outputs, 1, 4)
+        q = made[0]
         exact = mx.dequantize(*q, group_size=GROUP_SIZE, bits=4).astype(mx.float32)
         report[name] = {}
         for m in rows:
@@ -227,20 +239,37 @@ def shape_errors(rows) -> dict:
                 "kernel": round((mx.abs(ours - reference).max() / size).item(), 5),
                 "mlx": round((mx.abs(mlx - reference).max() / size).item(), 5),
             }
+        del exact
+        copies = quantized_rows.copies_beyond(cache_mb * 2**20, sum(a.nbytes for a in q))
+        made += quantized_rows.weights(inputs, outputs, copies - 1, 4)
+        for m in [1] + list(rows):
+            x = mx.random.normal((1, m, inputs)).astype(mx.bfloat16)
+            mx.eval(x)
+            products = {"mlx_ms": quantized_rows.matmul}
+            if m in ROWS:
+                products["kernel_ms"] = kernel_product
+            entry = report[name].setdefault(m, {})
+            for key, product in products.items():
+                chain = functools.partial(quantized_rows.chained, x, made, 4, product)
+                entry[key] = round(1000 * quantized_rows.seconds(chain, repeats) / copies, 4)
+        del made
+        mx.clear_cache()
     return report
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8])
-    parser.add_argument("--check-rows", type=int, nargs="+", default=[1, 2, 8], help="rows each shape is checked at")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--check-rows", type=int, nargs="+", default=[2, 4, 8], help="rows each shape is checked and timed at")
+    parser.add_argument("--cache-mb", type=int, default=60, help="the GPU's last-level cache")
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--columns", type=int, nargs="+", default=[COLUMNS, 2], help="outputs a warp")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--scale", type=int, default=1, choices=[1, 2, 4], help="shrink the 12B shapes")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    errors = shape_errors(args.check_rows)
-    print(json.dumps({"shape_errors": errors}), flush=True)
+    shapes_report = shape_report(args.check_rows, args.cache_mb, args.repeats)
+    print(json.dumps({"shapes": shapes_report}), flush=True)
 
     model, drafter, target, cache = prefilled(args.scale, 4, max(args.rows + [8]), args.context)
     before = {rows: round(verify_ms(target, cache, drafter.taps, rows), 2) for rows in args.rows}
@@ -268,7 +297,7 @@ def main(argv=None):
         "logits_max_change": float(mx.abs(logits - reference).max()),
         "logits_max": float(mx.abs(reference).max()),
         "same_argmax": float((logits.argmax(-1) == reference.argmax(-1)).astype(mx.float32).mean()),
-        "shape_errors": errors,
+        "shapes": shapes_report,
     }
     return report(line, args.out)
 

@@ -65,7 +65,7 @@ def matmul(x, w, bits: int):
     return mx.quantized_matmul(x, *w, transpose=True, group_size=GROUP_SIZE, bits=bits)
 
 
-def chained(x, made: list, bits: int):
+def chained(x, made: list, bits: int, product=matmul):
     """``x`` through each weight copy in turn, each matmul reading the one
     before's outputs, as a forward's layers do: independent matmuls run side
     by side on a GPU and hide what one costs on its own (on an H100, 48 of
@@ -75,10 +75,11 @@ def chained(x, made: list, bits: int):
     would wait for nothing. Each link copies the rows it passes on (tiled or
     cut to the chain's width: a kernel of a few microseconds, growing with
     the rows), so a shape's time carries its copy, and where a matmul takes
-    tens of microseconds its ratios to one row understate."""
+    tens of microseconds its ratios to one row understate. ``product``
+    computes each matmul (``matmul`` by default: MLX's)."""
     inputs = x.shape[-1]
     for w in made:
-        y = matmul(x, w, bits)
+        y = product(x, w, bits)
         x = mx.tile(y, (1, 1, -(-inputs // y.shape[-1])))[..., :inputs]
     return x
 
