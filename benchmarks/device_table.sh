@@ -26,7 +26,8 @@
 # `multirow`: `multirow_qmv.py` (a CUDA kernel of our own for 2-8 rows of a
 # 4-bit projection, checked per shape and timed in the verify), then the 4-bit
 # rows with the target's projections on it (`paired.py --multirow`, costs
-# measured into a cache of their own).
+# measured into a cache of their own). Not yet run: `multirow_qmv.py` compiles
+# about 60 kernel variants on first use (NVRTC), maybe a minute or two.
 set -euo pipefail
 export PYTHONPATH=~/site
 export MLX_DSPARK_CACHE="${MLX_DSPARK_CACHE:-$HOME/mdc}"
