@@ -12,7 +12,8 @@ idea on CUDA. Each warp computes ``COLUMNS`` outputs for every row: it
 dequantizes a packed word once and applies it to all the rows.
 
 It checks the kernel per projection shape against a float32 reference (and
-MLX's own kernel against the same), then times the verify (on the engine's
+MLX's own kernel against the same) and times it against MLX's, then times
+the verify (on the engine's
 caches, at ``--context``) as it is and with every layer projection and the
 tied output head routed through the kernel at 2-8 rows (``--columns``
 outputs a warp), and how far the logits moved. JSON lines to
@@ -223,19 +224,19 @@ def shape_report(rows, cache_mb: int, repeats: int) -> dict:
     waiting for the one before over weight copies beyond the cache
     (``quantized_rows.chained``: a small copy a link included); MLX's at one
     row too, the kernel's baseline."""
-    report = {}
+    by_shape = {}
     for name, (inputs, outputs) in layer_shapes().items():
         made = quantized_rows.weights(inputs, outputs, 1, 4)
         q = made[0]
         exact = mx.dequantize(*q, group_size=GROUP_SIZE, bits=4).astype(mx.float32)
-        report[name] = {}
+        by_shape[name] = {}
         for m in rows:
             x = mx.random.normal((m, inputs)).astype(mx.bfloat16)
             reference = x.astype(mx.float32) @ exact.T
             ours = multirow_matmul(x, *q, GROUP_SIZE).astype(mx.float32)
             mlx = mx.quantized_matmul(x, *q, transpose=True, group_size=GROUP_SIZE, bits=4).astype(mx.float32)
             size = mx.abs(reference).max()
-            report[name][m] = {
+            by_shape[name][m] = {
                 "kernel": round((mx.abs(ours - reference).max() / size).item(), 5),
                 "mlx": round((mx.abs(mlx - reference).max() / size).item(), 5),
             }
@@ -248,13 +249,13 @@ def shape_report(rows, cache_mb: int, repeats: int) -> dict:
             products = {"mlx_ms": quantized_rows.matmul}
             if m in ROWS:
                 products["kernel_ms"] = kernel_product
-            entry = report[name].setdefault(m, {})
+            entry = by_shape[name].setdefault(m, {})
             for key, product in products.items():
                 chain = functools.partial(quantized_rows.chained, x, made, 4, product)
                 entry[key] = round(1000 * quantized_rows.seconds(chain, repeats) / copies, 4)
         del made
         mx.clear_cache()
-    return report
+    return by_shape
 
 
 def main(argv=None):
