@@ -264,7 +264,7 @@ def main(argv=None):
     parser.add_argument("--check-rows", type=int, nargs="+", default=[2, 4, 8], help="rows each shape is checked and timed at")
     parser.add_argument("--cache-mb", type=int, default=60, help="the GPU's last-level cache")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--columns", type=int, nargs="+", default=[COLUMNS, 2], help="outputs a warp")
+    parser.add_argument("--columns", type=int, nargs="+", default=[COLUMNS, 8, 2], help="outputs a warp")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--scale", type=int, default=1, choices=[1, 2, 4], help="shrink the 12B shapes")
     parser.add_argument("--out")
