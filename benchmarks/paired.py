@@ -34,6 +34,7 @@ once a process, so a process runs one target precision then.
 
 import argparse
 import collections
+import functools
 import itertools
 import json
 import math
@@ -201,6 +202,10 @@ def main():
         "(give it an MLX_DSPARK_CACHE of its own: its verify costs are not MLX's)",
     )
     parser.add_argument(
+        "--multirow-columns", type=int, default=multirow_qmv.COLUMNS, choices=[2, 4, 8],
+        help="--multirow: outputs a warp of the kernel computes",
+    )
+    parser.add_argument(
         "--mlx-launch-settings", action="store_true",
         help="keep MLX's own launch settings, not those the commands set with a drafter",
     )
@@ -241,8 +246,9 @@ def main():
         if bits != 16:
             shapes.quantize(model, bits)
         if args.multirow:
-            multirow_qmv.route_projections(model.model, multirow_qmv.multirow_matmul)
-            multirow_qmv.route_head(model.model, multirow_qmv.multirow_matmul)
+            matmul = functools.partial(multirow_qmv.multirow_matmul, columns=args.multirow_columns)
+            multirow_qmv.route_projections(model.model, matmul)
+            multirow_qmv.route_head(model.model, matmul)
         for name, drafter in drafters.items():
             for tau, scheduler in itertools.product(args.taus, args.schedulers):
                 stats = mlx_dspark.SpeculativeStats(drafter.name, drafter.block_size)
@@ -313,6 +319,7 @@ def main():
                     record["fresh"] = True
                 if args.multirow:
                     record["multirow"] = True
+                    record["multirow_columns"] = args.multirow_columns
                 if args.probe_share is not None:
                     record["probe_share"] = policy.PROBE_SHARE
                     record["reprobe_at_most"] = policy.REPROBE_AT_MOST

@@ -189,10 +189,11 @@ def test_paired_multirow_routes_the_4_bit_targets_verifies_and_says_so(bench, mo
     2-8 rows (never plain decoding's one, nor the prompt's), and its rows say
     so; it refuses a target that is not 4-bit."""
     paired, multirow = bench("paired"), bench("multirow_qmv")
-    rows_seen = []
+    rows_seen, columns_seen = [], set()
 
-    def stand_in(x, w, scales, biases, group_size):
+    def stand_in(x, w, scales, biases, group_size, columns):
         rows_seen.append(x.shape[0])
+        columns_seen.add(columns)
         return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
 
     monkeypatch.setattr(multirow, "multirow_matmul", stand_in)
@@ -200,12 +201,14 @@ def test_paired_multirow_routes_the_4_bit_targets_verifies_and_says_so(bench, mo
     out = tmp_path / "paired.jsonl"
     argv = ["paired.py", "--scale", "16", "--context", "32", "--taus", "6", "--max-tokens", "6"]
     argv += ["--pairs", "1", "--drafters", "dspark", "--schedulers", "fixed", "--target-bits", "4"]
-    argv += ["--multirow", "--out", str(out)]
+    argv += ["--multirow", "--multirow-columns", "8", "--out", str(out)]
     monkeypatch.setattr("sys.argv", argv)
     paired.main()
     assert rows_seen and set(rows_seen) <= set(range(2, 9))
-    assert json.loads(out.read_text())["multirow"] is True
-    monkeypatch.setattr("sys.argv", argv[:-4] + ["16", "--multirow"])
+    assert columns_seen == {8}
+    record = json.loads(out.read_text())
+    assert record["multirow"] is True and record["multirow_columns"] == 8
+    monkeypatch.setattr("sys.argv", argv[:-6] + ["16", "--multirow"])
     with pytest.raises(SystemExit):
         paired.main()
 
