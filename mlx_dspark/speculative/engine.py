@@ -26,6 +26,7 @@ from ..confidence.calibration import survival
 from ..confidence.costs import live_timer, verify_rows
 from ..confidence.schedulers import FixedScheduler, scheduler_for
 from ..plugins import find_target_adapter
+from ..targets import multirow
 from ..validation import (
     check,
     check_callable,
@@ -49,6 +50,8 @@ def adapt_target(model: nn.Module, drafter):
     check_drafter(drafter)
     target = find_target_adapter(model).adapt(model)
     drafter.check_target(target)
+    if multirow.available():
+        multirow.route(model)
     return target
 
 

@@ -11,6 +11,7 @@ from mlx_lm.models.cache import KVCache
 from ..batching.cache import BatchRollbackKVCache
 from ..cache import SlidingWindowKVCache
 from ..plugins import TargetAdapter, hookimpl
+from . import multirow
 from .base import EMBEDDING, FINAL, TargetOutput
 
 
@@ -19,7 +20,9 @@ def supports(model) -> bool:
 
 
 class Gemma4Target:
-    """A Gemma-4 model instance, tapped; the model itself is left untouched."""
+    """A Gemma-4 model instance, tapped; the model's computation is left
+    untouched outside its forwards here (where ``multirow`` may route a
+    verify's rows)."""
 
     family = "gemma4"
 
@@ -79,6 +82,10 @@ class Gemma4Target:
     def __call__(
         self, inputs: mx.array, cache: list, taps: Sequence[int] = ()
     ) -> TargetOutput:
+        with multirow.verifying():
+            return self._forward(inputs, cache, taps)
+
+    def _forward(self, inputs, cache, taps):
         # Gemma4TextModel.__call__ and Model.__call__ of mlx-lm 0.32, step for
         # step (so the logits are bit-identical), keeping the layer outputs.
         lm = self.text

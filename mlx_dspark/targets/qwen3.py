@@ -8,6 +8,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ..plugins import TargetAdapter, hookimpl
+from . import multirow
 from .base import EMBEDDING, FINAL, TargetOutput
 
 
@@ -16,7 +17,9 @@ def supports(model) -> bool:
 
 
 class Qwen3Target:
-    """A Qwen3 model instance, tapped; the model itself is left untouched."""
+    """A Qwen3 model instance, tapped; the model's computation is left
+    untouched outside its forwards here (where ``multirow`` may route a
+    verify's rows)."""
 
     family = "qwen3"
 
@@ -35,6 +38,10 @@ class Qwen3Target:
     def __call__(
         self, inputs: mx.array, cache: list, taps: Sequence[int] = ()
     ) -> TargetOutput:
+        with multirow.verifying():
+            return self._forward(inputs, cache, taps)
+
+    def _forward(self, inputs, cache, taps):
         # Qwen3Model.__call__ and Model.__call__ of mlx-lm 0.32, keeping the
         # layer outputs (tap -1 is the unscaled embedding).
         body = self.model.model

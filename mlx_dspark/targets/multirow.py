@@ -1,0 +1,218 @@
+"""A quantized target's verify on MLX-CUDA: 2-8 rows of a 4-bit projection
+by a kernel that reads each packed weight once for all the rows.
+
+MLX 0.32's CUDA backend runs 2-7 rows of an affine 4-bit matmul as one
+matrix-vector product a row, each reading the whole weight again, and 8 or
+more as a tiled product that leaves the GPU mostly idle at a 12B's widths:
+on an H100 a Gemma-4-12B 4-bit verify of 2, 4 and 8 rows took 23.0, 36.7 and
+29.2 ms against one row's 14.2; with this kernel 16.7, 19.1 and 22.4, and
+the 4-bit chat rows of issue #14's table went from 1.02-1.13x of plain
+decoding to 1.22-1.64x (BENCHMARKS.md, "Session 38"). MLX has the same idea
+for Apple silicon (``qmv_wide``, M3 and later), so only CUDA needs it.
+
+``route`` gives a model's fitting projections (and a tied 4-bit output
+head) a subclass of MLX's own module that runs the kernel only inside
+``verifying()``, which the target adapters' forwards enter, and only at 2-8
+rows: plain decoding's one row, a prompt's rows and mlx-lm's own batched
+decoding stay on MLX's kernels. ``MLX_DSPARK_MULTIROW=0`` turns it off.
+"""
+
+import contextlib
+import contextvars
+import functools
+import os
+import zlib
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ROWS = range(2, 9)
+COLUMNS = 4  # outputs a warp computes (2 and 8 were slower at 8 rows on an H100)
+WARPS_PER_BLOCK = 4
+
+# y[m, n] = sum_k x[m, k] * (s[n, k / G] * q[n, k] + b[n, k / G]), 8 nibbles a
+# uint32 word, lowest first. A lane takes 4 words (32 weights, inside one
+# group) a step; the warp's lanes cover K together and reduce at the end.
+SOURCE = """
+    constexpr int WORDS = K / 8;
+    constexpr int GROUPS = K / G;
+    constexpr int PER_LOAD = 16 / int(sizeof(T));
+    const int lane = threadIdx.x & 31;
+    const long first = ((long(blockIdx.x) * blockDim.x + threadIdx.x) >> 5) * C;
+    if (first >= N) {
+        return;
+    }
+    float acc[C][M];
+    #pragma unroll
+    for (int c = 0; c < C; ++c) {
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            acc[c][m] = 0.0f;
+        }
+    }
+    for (int word = lane * 4; word < WORDS; word += 128) {
+        const int k0 = word * 8;
+        uint32_t packed[C][4];
+        float scale[C], bias[C];
+        #pragma unroll
+        for (int c = 0; c < C; ++c) {
+            const uint4 p = *reinterpret_cast<const uint4*>(w + (first + c) * WORDS + word);
+            packed[c][0] = p.x;
+            packed[c][1] = p.y;
+            packed[c][2] = p.z;
+            packed[c][3] = p.w;
+            scale[c] = static_cast<float>(scales[(first + c) * GROUPS + k0 / G]);
+            bias[c] = static_cast<float>(biases[(first + c) * GROUPS + k0 / G]);
+        }
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float xs[M][8];
+            #pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const uint4* xv = reinterpret_cast<const uint4*>(x + long(m) * K + k0 + 8 * i);
+                #pragma unroll
+                for (int h = 0; h < 8 / PER_LOAD; ++h) {
+                    const uint4 raw = xv[h];
+                    const T* t = reinterpret_cast<const T*>(&raw);
+                    #pragma unroll
+                    for (int j = 0; j < PER_LOAD; ++j) {
+                        xs[m][h * PER_LOAD + j] = static_cast<float>(t[j]);
+                    }
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                #pragma unroll
+                for (int c = 0; c < C; ++c) {
+                    const float weight = scale[c] * static_cast<float>((packed[c][i] >> (4 * j)) & 15u) + bias[c];
+                    #pragma unroll
+                    for (int m = 0; m < M; ++m) {
+                        acc[c][m] += weight * xs[m][j];
+                    }
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int c = 0; c < C; ++c) {
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float v = acc[c][m];
+            #pragma unroll
+            for (int offset = 16; offset > 0; offset >>= 1) {
+                v += __shfl_down_sync(0xffffffffu, v, offset);
+            }
+            if (lane == 0) {
+                y[long(m) * N + first + c] = static_cast<T>(v);
+            }
+        }
+    }
+"""
+
+
+_verifying = contextvars.ContextVar("mlx_dspark_multirow_verifying", default=False)
+
+
+@contextlib.contextmanager
+def verifying():
+    """Routed projections run the kernel inside this (at ``ROWS`` rows)."""
+    token = _verifying.set(True)
+    try:
+        yield
+    finally:
+        _verifying.reset(token)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel():
+    # MLX keeps compiled kernels on disk by name and template values, not by
+    # source: a name of the source's own, so an edited kernel is compiled anew.
+    return mx.fast.cuda_kernel(
+        name=f"multirow_qmv_{zlib.crc32(SOURCE.encode()):08x}",
+        input_names=["x", "w", "scales", "biases"],
+        output_names=["y"],
+        source=SOURCE,
+    )
+
+
+def multirow_matmul(x, w, scales, biases, group_size: int):
+    """``x @ dequantize(w).T`` for the rows of ``x`` ([M, K], 4-bit affine
+    ``w`` [N, K / 8]), by the kernel."""
+    rows, inputs = x.shape
+    outputs = w.shape[0]
+    return kernel()(
+        inputs=[x, w, scales.astype(x.dtype), biases.astype(x.dtype)],
+        template=[("T", x.dtype), ("M", rows), ("K", inputs), ("N", outputs), ("G", group_size), ("C", COLUMNS)],
+        grid=(outputs // COLUMNS * 32, 1, 1),
+        threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
+        output_shapes=[(rows, outputs)],
+        output_dtypes=[x.dtype],
+    )[0]
+
+
+def fits(module) -> bool:
+    """What the kernel computes: 4-bit affine, no bias, groups of 32-128
+    (a lane's 32 weights in one group), whole 4-word steps, whole warps'
+    columns."""
+    return (
+        isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        and module.mode == "affine"
+        and module.bits == 4
+        and "bias" not in module
+        and module.group_size in (32, 64, 128)
+        and module.weight.shape[-1] % 4 == 0
+        and module.weight.shape[0] % COLUMNS == 0
+    )
+
+
+def _by_kernel(module, x):
+    """``x`` times ``module``'s weights by the kernel, or ``None`` where
+    MLX's own kernels take it (outside a verify, or not 2-8 rows)."""
+    if not _verifying.get():
+        return None
+    rows = x.size // x.shape[-1]
+    if rows not in ROWS:
+        return None
+    flat = x.reshape(rows, x.shape[-1])
+    y = multirow_matmul(flat, module.weight, module.scales, module.biases, module.group_size)
+    return y.reshape(*x.shape[:-1], -1)
+
+
+class MultirowQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x):
+        y = _by_kernel(self, x)
+        return super().__call__(x) if y is None else y
+
+
+class MultirowQuantizedEmbedding(nn.QuantizedEmbedding):
+    def as_linear(self, x):
+        y = _by_kernel(self, x)
+        return super().as_linear(x) if y is None else y
+
+
+ROUTED = {nn.QuantizedLinear: MultirowQuantizedLinear, nn.QuantizedEmbedding: MultirowQuantizedEmbedding}
+
+
+def available() -> bool:
+    """Whether routing applies here: MLX-CUDA on the GPU, not turned off."""
+    return (
+        os.environ.get("MLX_DSPARK_MULTIROW", "1") != "0"
+        and hasattr(mx.fast, "cuda_kernel")
+        and mx.cuda.is_available()
+        and mx.default_device() == mx.gpu
+    )
+
+
+def route(model: nn.Module) -> int:
+    """Gives each of ``model``'s modules that ``fits`` the kernel's
+    subclass in place (same weights, same parameter tree); returns how many
+    of its modules are routed."""
+    for _, module in model.named_modules():
+        routed = ROUTED.get(type(module))
+        if routed is not None and fits(module):
+            module.__class__ = routed
+    return routed_count(model)
+
+
+def routed_count(model: nn.Module) -> int:
+    return sum(type(m) in ROUTED.values() for _, m in model.named_modules())

@@ -1,0 +1,138 @@
+"""The multirow kernel's routing (``mlx_dspark.targets.multirow``): which
+modules, which rows, and only inside a speculative verify. The kernel is
+CUDA's; here a stand-in that dequantizes takes its place and records what
+it was given."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_dspark
+from mlx_dspark.confidence.costs import RoundTimer
+from mlx_dspark.plugins import find_target_adapter
+from mlx_dspark.speculative.engine import adapt_target
+from mlx_dspark.targets import multirow
+
+from conftest import FIXTURES
+from tiny import plain_greedy, speculative, tiny_qwen3
+
+
+def quantized(model, bits=4):
+    nn.quantize(
+        model, group_size=32, bits=bits,
+        class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0,
+    )
+    return model
+
+
+@pytest.fixture
+def kernel_rows(monkeypatch):
+    """The rows each call of the (stand-in) kernel was given."""
+    seen = []
+
+    def stand_in(x, w, scales, biases, group_size):
+        seen.append(x.shape[0])
+        return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
+
+    monkeypatch.setattr(multirow, "multirow_matmul", stand_in)
+    return seen
+
+
+def test_route_gives_only_4_bit_affine_modules_the_subclass_and_keeps_the_parameters():
+    model = quantized(tiny_qwen3(seed=1, tie=True))
+    model.model.layers[0].mlp.down_proj = nn.QuantizedLinear.from_linear(
+        nn.Linear(64, 32, bias=False), group_size=32, bits=8
+    )
+    before = tree_flatten(model.parameters())
+    fitting = [
+        name for name, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.bits == 4
+    ]
+    assert multirow.route(model) == len(fitting) > 0
+    routed = [name for name, m in model.named_modules() if type(m) in multirow.ROUTED.values()]
+    assert sorted(routed) == sorted(fitting)
+    assert "model.embed_tokens" in routed  # the tied head
+    assert type(model.model.layers[0].mlp.down_proj) is nn.QuantizedLinear  # 8-bit stays MLX's
+    after = tree_flatten(model.parameters())
+    assert [k for k, _ in after] == [k for k, _ in before]
+    assert all(a is b for (_, a), (_, b) in zip(after, before))
+    assert multirow.route(model) == len(fitting)  # again: nothing more
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (4, 1), (8, 1), (1, 5), (2, 3), (1, 40)])
+def test_outside_a_verify_routed_modules_are_mlx_own_at_any_rows(kernel_rows, shape):
+    """mlx-lm's own forwards (plain decoding, its batched decoding at 2-8
+    sequences, a prompt) on a routed model never reach the kernel, and are
+    bit-identical to the model's before routing."""
+    model = quantized(tiny_qwen3(seed=2, tie=True))
+    tokens = mx.random.randint(0, 96, shape, key=mx.random.key(0))
+    expected = model(tokens, make_prompt_cache(model))
+    multirow.route(model)
+    assert mx.array_equal(model(tokens, make_prompt_cache(model)), expected)
+    assert kernel_rows == []
+
+
+@pytest.mark.parametrize("length, by_kernel", [(1, False), (2, True), (7, True), (8, True), (9, False), (30, False)])
+def test_a_target_forward_runs_2_to_8_rows_by_the_kernel(kernel_rows, length, by_kernel):
+    """Inside the adapter's forward, a verify's 2-8 rows take the kernel in
+    every routed projection and the tied head, and give the same logits;
+    one row (a parked round's) and a prompt's rows stay MLX's."""
+    model = quantized(tiny_qwen3(seed=3, tie=True))
+    target = find_target_adapter(model).adapt(model)
+    tokens = mx.random.randint(0, 96, (1, length), key=mx.random.key(1))
+    expected = target(tokens, target.make_cache(8)).logits
+    routed = multirow.route(model)
+    logits = target(tokens, target.make_cache(8)).logits
+    assert mx.allclose(logits, expected, atol=1e-4).item()
+    assert kernel_rows == ([length] * routed if by_kernel else [])
+
+
+def test_speculative_decoding_on_a_routed_4_bit_target_is_lossless(kernel_rows, monkeypatch):
+    """With routing available, ``adapt_target`` routes the target, its
+    verifies run by the kernel, and the output is plain greedy decoding's."""
+    monkeypatch.setattr(multirow, "available", lambda: True)
+    model, _ = load(str(FIXTURES / "deepspec-tiny" / "target_tiny_gemma4"))
+    quantized(model)
+    drafter = mlx_dspark.load_drafter(FIXTURES / "deepspec-tiny" / "dspark_tiny_gemma4_block4")
+    for prompt in ([65, 211, 266, 241, 234], [9, 8, 7]):
+        expected = plain_greedy(model, prompt, 30)
+        ours, stats = speculative(model, drafter, prompt, 30)
+        assert ours == expected and stats.accepted > 0
+    assert multirow.routed_count(model) > 0
+    assert kernel_rows and set(kernel_rows) <= set(multirow.ROWS)
+
+
+def test_routing_needs_mlx_cuda_on_the_gpu_and_can_be_turned_off(monkeypatch):
+    """``adapt_target`` routes a target only on MLX-CUDA's GPU, and not
+    with ``MLX_DSPARK_MULTIROW=0``."""
+    model, _ = load(str(FIXTURES / "deepspec-tiny" / "target_tiny_gemma4"))
+    quantized(model)
+    drafter = mlx_dspark.load_drafter(FIXTURES / "deepspec-tiny" / "dspark_tiny_gemma4_block4")
+    adapt_target(model, drafter)  # this machine: MLX on the CPU
+    assert multirow.routed_count(model) == 0
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setenv("MLX_DSPARK_MULTIROW", "0")
+    adapt_target(model, drafter)
+    assert multirow.routed_count(model) == 0
+    monkeypatch.delenv("MLX_DSPARK_MULTIROW")
+    adapt_target(model, drafter)
+    assert multirow.routed_count(model) > 0
+
+
+def test_a_routed_target_has_cost_profiles_of_its_own(monkeypatch):
+    """Verify costs measured with the kernel are not MLX's: a routed
+    target's profile key differs, so neither is read for the other."""
+    model = quantized(tiny_qwen3(seed=5))
+    drafter = mlx_dspark.load_drafter(FIXTURES / "deepspec-tiny" / "dspark_tiny_gemma4_block4")
+
+    def key():
+        return RoundTimer(model, drafter, 4, verify=None, draft=None).key
+
+    before = key()
+    assert key() == before
+    multirow.route(model)
+    assert key() != before
