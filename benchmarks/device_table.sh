@@ -23,11 +23,11 @@
 # not remove this one: see BENCHMARKS.md.) `nographs`: `fresh` again with CUDA
 # graphs off, to tell whether they or the plain pipeline's restart make that
 # round slow (bf16 rows, graphs off, paid 2-8 ms more than a plain step there).
-# `multirow`: `multirow_qmv.py` (a CUDA kernel of our own for 2-8 rows of a
-# 4-bit projection, checked per shape and timed in the verify), then the 4-bit
-# rows with the target's projections on it (`paired.py --multirow`, costs
-# measured into a cache of their own). Not yet run: `multirow_qmv.py` compiles
-# about 60 kernel variants on first use (NVRTC), maybe a minute or two.
+# `multirow`: `multirow_qmv.py`, the engine's multirow kernel (on MLX-CUDA a
+# 4-bit target's 2-8 verify rows by a kernel of our own) checked per shape and
+# timed in the verify against MLX's (about 220 s on an H100 with its first
+# compiles). `nomultirow`: the 4-bit rows on MLX's own kernels
+# (`MLX_DSPARK_MULTIROW=0`), the baseline of the kernel's.
 set -euo pipefail
 export PYTHONPATH=~/site
 export MLX_DSPARK_CACHE="${MLX_DSPARK_CACHE:-$HOME/mdc}"
@@ -60,8 +60,10 @@ if [[ $parts == *" nographs "* ]]; then
 fi
 if [[ $parts == *" multirow "* ]]; then
     python3 multirow_qmv.py --out "$OUT/multirow-qmv.jsonl"
-    MLX_DSPARK_CACHE="$MLX_DSPARK_CACHE-multirow" paired --multirow --context 2048 --target-bits 4 \
-        --drafters assistant dspark dflash --out "$OUT/paired-ctx2048-4bit-multirow.jsonl"
+fi
+if [[ $parts == *" nomultirow "* ]]; then
+    MLX_DSPARK_MULTIROW=0 paired --context 2048 --target-bits 4 --drafters assistant dspark dflash \
+        --out "$OUT/paired-ctx2048-4bit-nomultirow.jsonl"
 fi
 if [[ $parts == *" bf16 "* ]]; then
     paired --context 2048 --target-bits 16 --drafters dspark assistant dflash \

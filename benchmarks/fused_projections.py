@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import shapes
-from mlx_dspark.speculative.engine import adapt_target
+from mlx_dspark.plugins import find_target_adapter
 from timing import backend, seconds
 
 FUSED = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
@@ -102,13 +102,22 @@ def verify_logits(target, cache, taps, rows: int) -> mx.array:
     return out.logits.astype(mx.float32)
 
 
+def mlx_target(model, drafter):
+    """``model`` adapted for ``drafter`` as the engine adapts it, but left on
+    MLX's own kernels (the engine routes a 4-bit target's verify rows
+    through its multirow kernel on MLX-CUDA: ``multirow_qmv.py``)."""
+    target = find_target_adapter(model).adapt(model)
+    drafter.check_target(target)
+    return target
+
+
 def prefilled(scale: int, bits, rows: int, context: int):
     """The 12B-shaped target (``bits`` None: bf16) and a DSpark drafter,
-    adapted, its engine caches (for verifies of ``rows``) holding a random
-    ``context``-token prompt: ``(model, drafter, target, cache)``."""
+    adapted (``mlx_target``), its engine caches (for verifies of ``rows``)
+    holding a random ``context``-token prompt: ``(model, drafter, target, cache)``."""
     model = shapes.make_target(scale, bits=bits)
     drafter = shapes.make_drafter(scale)
-    target = adapt_target(model, drafter)
+    target = mlx_target(model, drafter)
     cache = target.make_cache(rows)
     prompt = mx.random.randint(5, model.args.vocab_size, (1, context)).astype(mx.uint32)
     mx.eval(target(prompt, cache, drafter.taps).logits)

@@ -20,11 +20,10 @@ generation does (``mlx_lm.generate``): its drafter's scheduler has learnt
 no acceptance and no policy, only the costs (which a fresh process reads
 from disk).
 
-``--multirow``: the 4-bit target's layer projections at 2-8 rows run on
-``multirow_qmv.py``'s CUDA kernel, which reads each packed weight once for
-all the rows, not on MLX's (plain decoding's one row and the prompt's rows
-stay MLX's). Give such a run an ``MLX_DSPARK_CACHE`` of its own: the costs it
-measures are not MLX's, and the model's fingerprint is the same.
+On MLX-CUDA the engine verifies a 4-bit target's 2-8 rows by its multirow
+kernel (``mlx_dspark.targets.multirow``), and the rows say so
+(``multirow``: the modules routed); ``MLX_DSPARK_MULTIROW=0`` runs them on
+MLX's own kernels.
 
 MLX runs with the launch settings ``mlx_lm.generate`` and ``mlx_lm.server``
 set with a drafter (on MLX-CUDA, CUDA graphs off for an unquantized target),
@@ -34,7 +33,6 @@ once a process, so a process runs one target precision then.
 
 import argparse
 import collections
-import functools
 import itertools
 import json
 import math
@@ -50,7 +48,7 @@ from mlx_dspark.batching import policy
 from mlx_dspark.confidence.costs import LAUNCH_SETTINGS, launch_settings_for_speculation
 from mlx_dspark.confidence.schedulers import scheduler_for
 from mlx_dspark.progress import progress
-import multirow_qmv
+from mlx_dspark.targets import multirow
 import shapes
 from speculative import components, phases, replayed_acceptance
 from timing import backend
@@ -197,15 +195,6 @@ def main():
         help="each speculative run paced as a fresh process's first generation",
     )
     parser.add_argument(
-        "--multirow", action="store_true",
-        help="a 4-bit target's layer projections at 2-8 rows by multirow_qmv.py's CUDA kernel "
-        "(give it an MLX_DSPARK_CACHE of its own: its verify costs are not MLX's)",
-    )
-    parser.add_argument(
-        "--multirow-columns", type=int, default=multirow_qmv.COLUMNS, choices=[2, 4, 8],
-        help="--multirow: outputs a warp of the kernel computes",
-    )
-    parser.add_argument(
         "--mlx-launch-settings", action="store_true",
         help="keep MLX's own launch settings, not those the commands set with a drafter",
     )
@@ -216,8 +205,6 @@ def main():
             "the target's precision: one --target-bits a process, or --mlx-launch-settings"
         )
 
-    if args.multirow and args.target_bits != [4]:
-        parser.error("--multirow: the kernel computes 4-bit projections; --target-bits 4")
     if args.probe_share is not None:
         if args.probe_share <= 0:
             parser.error("--probe-share: a share of the parked time, above 0")
@@ -245,10 +232,6 @@ def main():
     for bits in args.target_bits:
         if bits != 16:
             shapes.quantize(model, bits)
-        if args.multirow:
-            matmul = functools.partial(multirow_qmv.multirow_matmul, columns=args.multirow_columns)
-            multirow_qmv.route_projections(model.model, matmul)
-            multirow_qmv.route_head(model.model, matmul)
         for name, drafter in drafters.items():
             for tau, scheduler in itertools.product(args.taus, args.schedulers):
                 stats = mlx_dspark.SpeculativeStats(drafter.name, drafter.block_size)
@@ -317,9 +300,9 @@ def main():
                 }
                 if args.fresh:
                     record["fresh"] = True
-                if args.multirow:
-                    record["multirow"] = True
-                    record["multirow_columns"] = args.multirow_columns
+                routed = multirow.routed_count(model)
+                if routed:
+                    record["multirow"] = routed
                 if args.probe_share is not None:
                     record["probe_share"] = policy.PROBE_SHARE
                     record["reprobe_at_most"] = policy.REPROBE_AT_MOST

@@ -20,8 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import shapes
-from fused_projections import verify_logits, verify_ms
-from mlx_dspark.speculative.engine import adapt_target
+from fused_projections import mlx_target, verify_logits, verify_ms
 from timing import backend
 
 
@@ -90,7 +89,7 @@ def main(argv=None):
         mx.random.seed(0)  # the same weights, split or not
         model = shapes.make_target(args.scale, bits=4)
         split = split_projections(model.model, parts) if parts > 1 else 0
-        target = adapt_target(model, drafter)
+        target = mlx_target(model, drafter)
         cache = target.make_cache(max(args.rows))
         mx.eval(target(prompt, cache, drafter.taps).logits)
         logits = verify_logits(target, cache, drafter.taps, max(args.rows))
