@@ -1538,6 +1538,55 @@ MUTANTS = [
         "untried=False",
         ("tests/test_pacing.py", "tests/test_batching.py", "-k", "never_pay_probes_once or joining_sequence"),
     ),
+    Mutant(
+        "the multirow kernel outside a verify",
+        "mlx_dspark/targets/multirow.py",
+        "    if not _verifying.get():\n        return None\n",
+        "",
+        ("tests/test_multirow.py",),
+    ),
+    Mutant(
+        "the multirow kernel for one row",
+        "mlx_dspark/targets/multirow.py",
+        "ROWS = range(2, 9)",
+        "ROWS = range(1, 9)",
+        ("tests/test_multirow.py",),
+    ),
+    Mutant(
+        "the multirow kernel routes 8-bit modules",
+        "mlx_dspark/targets/multirow.py",
+        "and module.bits == 4\n",
+        "",
+        ("tests/test_multirow.py",),
+    ),
+    Mutant(
+        "MLX_DSPARK_MULTIROW=0 ignored",
+        "mlx_dspark/targets/multirow.py",
+        'os.environ.get("MLX_DSPARK_MULTIROW", "1") != "0"',
+        "True",
+        ("tests/test_multirow.py",),
+    ),
+    Mutant(
+        "adapt_target never routes",
+        SPEC + "engine.py",
+        "        multirow.route(model)\n",
+        "        pass\n",
+        ("tests/test_multirow.py",),
+    ),
+    Mutant(
+        "a routed target reads MLX's cost profiles",
+        "mlx_dspark/confidence/costs.py",
+        '            identity["multirow"] = routed\n',
+        "            pass\n",
+        ("tests/test_multirow.py",),
+    ),
+    Mutant(
+        "Gemma-4's forward is no verify",
+        "mlx_dspark/targets/gemma4.py",
+        "        with multirow.verifying():\n            return self._forward(inputs, cache, taps)",
+        "        return self._forward(inputs, cache, taps)",
+        ("tests/test_multirow.py",),
+    ),
 ]
 
 
