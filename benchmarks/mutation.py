@@ -1581,6 +1581,27 @@ MUTANTS = [
         ("tests/test_multirow.py",),
     ),
     Mutant(
+        "the multirow kernel takes a biased projection",
+        "mlx_dspark/targets/multirow.py",
+        'and "bias" not in module\n',
+        "",
+        ("tests/test_multirow.py",),
+    ),
+    Mutant(
+        "the multirow kernel computes the first sequence's rows only",
+        "mlx_dspark/targets/multirow.py",
+        "flat = x.reshape(rows, x.shape[-1])",
+        "flat = x.reshape(-1, x.shape[-1])[: x.shape[-2]] if x.ndim > 2 and x.shape[0] > 1 else x.reshape(rows, x.shape[-1])",
+        ("tests/test_multirow.py",),
+    ),
+    Mutant(
+        "routing stays once turned off",
+        SPEC + "engine.py",
+        "    else:\n        multirow.unroute(model)\n",
+        "",
+        ("tests/test_multirow.py",),
+    ),
+    Mutant(
         "Gemma-4's forward is no verify",
         "mlx_dspark/targets/gemma4.py",
         "        with multirow.verifying():\n            return self._forward(inputs, cache, taps)",

@@ -17,7 +17,8 @@ from mlx_dspark.speculative.engine import adapt_target
 from mlx_dspark.targets import multirow
 
 from conftest import FIXTURES
-from tiny import plain_greedy, speculative, tiny_qwen3
+from test_batching import check_batch
+from tiny import gemma4_text_args, plain_greedy, speculative, tiny_dspark, tiny_gemma4, tiny_qwen3
 
 
 def quantized(model, bits=4):
@@ -41,21 +42,30 @@ def kernel_rows(monkeypatch):
     return seen
 
 
-def test_route_gives_only_4_bit_affine_modules_the_subclass_and_keeps_the_parameters():
+def test_route_gives_only_modules_the_kernel_computes_the_subclass_and_keeps_the_parameters():
+    """4-bit affine without bias, in groups of 32-128, outputs in whole
+    warps' columns: routed (the tied head too); 8-bit, biased, mxfp4, groups
+    of 16 and outputs not a multiple of the columns stay MLX's."""
     model = quantized(tiny_qwen3(seed=1, tie=True))
-    model.model.layers[0].mlp.down_proj = nn.QuantizedLinear.from_linear(
-        nn.Linear(64, 32, bias=False), group_size=32, bits=8
-    )
+    mlp = model.model.layers[0].mlp
+    mlp.eight_bit = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=8)
+    mlp.biased = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=4)
+    mlp.mxfp4 = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4, mode="mxfp4")
+    mlp.groups_of_16 = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)
+    mlp.groups_of_16.group_size = 16  # MLX 0.32 has none; a lane's 32 weights would span two
+    mlp.odd_outputs = nn.QuantizedLinear(64, 30, bias=False, group_size=32, bits=4)
+    left_alone = ["eight_bit", "biased", "mxfp4", "groups_of_16", "odd_outputs"]
     before = tree_flatten(model.parameters())
     fitting = [
         name for name, m in model.named_modules()
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.bits == 4
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        and name.rpartition(".")[2] not in left_alone
     ]
     assert multirow.route(model) == len(fitting) > 0
     routed = [name for name, m in model.named_modules() if type(m) in multirow.ROUTED.values()]
     assert sorted(routed) == sorted(fitting)
     assert "model.embed_tokens" in routed  # the tied head
-    assert type(model.model.layers[0].mlp.down_proj) is nn.QuantizedLinear  # 8-bit stays MLX's
+    assert all(type(mlp[name]) is nn.QuantizedLinear for name in left_alone)
     after = tree_flatten(model.parameters())
     assert [k for k, _ in after] == [k for k, _ in before]
     assert all(a is b for (_, a), (_, b) in zip(after, before))
@@ -66,20 +76,25 @@ def test_route_gives_only_4_bit_affine_modules_the_subclass_and_keeps_the_parame
 def test_outside_a_verify_routed_modules_are_mlx_own_at_any_rows(kernel_rows, shape):
     """mlx-lm's own forwards (plain decoding, its batched decoding at 2-8
     sequences, a prompt) on a routed model never reach the kernel, and are
-    bit-identical to the model's before routing."""
+    bit-identical to the model's before routing; ``unroute`` gives the
+    modules back MLX's classes."""
     model = quantized(tiny_qwen3(seed=2, tie=True))
     tokens = mx.random.randint(0, 96, shape, key=mx.random.key(0))
     expected = model(tokens, make_prompt_cache(model))
-    multirow.route(model)
+    assert multirow.route(model) > 0
     assert mx.array_equal(model(tokens, make_prompt_cache(model)), expected)
     assert kernel_rows == []
+    multirow.unroute(model)
+    assert multirow.routed_count(model) == 0
+    assert all(type(m) not in multirow.ROUTED.values() for _, m in model.named_modules())
 
 
 @pytest.mark.parametrize("length, by_kernel", [(1, False), (2, True), (7, True), (8, True), (9, False), (30, False)])
 def test_a_target_forward_runs_2_to_8_rows_by_the_kernel(kernel_rows, length, by_kernel):
-    """Inside the adapter's forward, a verify's 2-8 rows take the kernel in
-    every routed projection and the tied head, and give the same logits;
-    one row (a parked round's) and a prompt's rows stay MLX's."""
+    """Inside the adapter's forward, 2-8 rows (a verify's, or a short prompt
+    chunk's) take the kernel in every routed projection and the tied head,
+    and give the same logits; one row (a parked round's) and longer chunks
+    stay MLX's."""
     model = quantized(tiny_qwen3(seed=3, tie=True))
     target = find_target_adapter(model).adapt(model)
     tokens = mx.random.randint(0, 96, (1, length), key=mx.random.key(1))
@@ -88,6 +103,22 @@ def test_a_target_forward_runs_2_to_8_rows_by_the_kernel(kernel_rows, length, by
     logits = target(tokens, target.make_cache(8)).logits
     assert mx.allclose(logits, expected, atol=1e-4).item()
     assert kernel_rows == ([length] * routed if by_kernel else [])
+
+
+def test_inputs_mlx_would_promote_or_refuse_stay_mlx_own(kernel_rows):
+    """The kernel computes in the inputs' dtype with the scales cast to it:
+    inputs of another dtype than the scales' (which MLX promotes) and of a
+    width that is not the weights' (which MLX refuses) stay MLX's."""
+    linear = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)
+    assert multirow.route(linear) == 1
+    x = mx.random.normal((4, 64), key=mx.random.key(2))
+    with multirow.verifying():
+        assert linear(x.astype(mx.bfloat16)).dtype == mx.float32  # MLX's promotion
+        with pytest.raises(ValueError):
+            linear(mx.zeros((4, 32)))
+        assert kernel_rows == []
+        linear(x)
+    assert kernel_rows == [4]
 
 
 def test_speculative_decoding_on_a_routed_4_bit_target_is_lossless(kernel_rows, monkeypatch):
@@ -102,7 +133,25 @@ def test_speculative_decoding_on_a_routed_4_bit_target_is_lossless(kernel_rows, 
         ours, stats = speculative(model, drafter, prompt, 30)
         assert ours == expected and stats.accepted > 0
     assert multirow.routed_count(model) > 0
-    assert kernel_rows and set(kernel_rows) <= set(multirow.ROWS)
+    assert kernel_rows
+
+
+def test_a_routed_4_bit_target_batches_equal_greedy(kernel_rows, monkeypatch):
+    """The batched generator's verifies (several sequences' rows at once,
+    flattened for the kernel) on a routed target: each request its own
+    greedy output."""
+    monkeypatch.setattr(multirow, "available", lambda: True)
+    model = quantized(tiny_gemma4(seed=6))
+    drafter = tiny_dspark(gemma4_text_args(), seed=7)
+    requests = [
+        (0, [5, 17, 33], dict(max_tokens=[14]), ()),
+        (0, [61, 8, 90, 12, 40, 7], dict(max_tokens=[10]), ()),
+        (1, [23], dict(max_tokens=[12], num_draft_tokens=[1]), ()),
+    ]
+    sizes = dict(completion_batch_size=3, prefill_batch_size=2, prefill_step_size=2048)
+    check_batch(model, drafter, requests, sizes, seed=8)
+    assert multirow.routed_count(model) > 0
+    assert kernel_rows
 
 
 def test_routing_needs_mlx_cuda_on_the_gpu_and_can_be_turned_off(monkeypatch):
@@ -121,6 +170,9 @@ def test_routing_needs_mlx_cuda_on_the_gpu_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv("MLX_DSPARK_MULTIROW")
     adapt_target(model, drafter)
     assert multirow.routed_count(model) > 0
+    monkeypatch.setenv("MLX_DSPARK_MULTIROW", "0")  # turned off since: routed back
+    adapt_target(model, drafter)
+    assert multirow.routed_count(model) == 0
 
 
 def test_a_routed_target_has_cost_profiles_of_its_own(monkeypatch):

@@ -52,6 +52,8 @@ def adapt_target(model: nn.Module, drafter):
     drafter.check_target(target)
     if multirow.available():
         multirow.route(model)
+    else:
+        multirow.unroute(model)
     return target
 
 

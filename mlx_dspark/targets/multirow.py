@@ -12,9 +12,10 @@ for Apple silicon (``qmv_wide``, M3 and later), so only CUDA needs it.
 
 ``route`` gives a model's fitting projections (and a tied 4-bit output
 head) a subclass of MLX's own module that runs the kernel only inside
-``verifying()``, which the target adapters' forwards enter, and only at 2-8
-rows: plain decoding's one row, a prompt's rows and mlx-lm's own batched
-decoding stay on MLX's kernels. ``MLX_DSPARK_MULTIROW=0`` turns it off.
+``verifying()``, which the target adapters' forwards enter (verifies, and
+the engine's prompt chunks), and only at 2-8 rows: plain decoding's one row,
+long prompt chunks and anything mlx-lm runs itself (its batched decoding
+too) stay on MLX's kernels. ``MLX_DSPARK_MULTIROW=0`` turns it off.
 """
 
 import contextlib
@@ -167,11 +168,13 @@ def fits(module) -> bool:
 
 def _by_kernel(module, x):
     """``x`` times ``module``'s weights by the kernel, or ``None`` where
-    MLX's own kernels take it (outside a verify, or not 2-8 rows)."""
+    MLX's own kernels take it: outside a target's forward, not 2-8 rows, or
+    inputs MLX would promote or refuse (another dtype than the scales',
+    another width than the weights')."""
     if not _verifying.get():
         return None
     rows = x.size // x.shape[-1]
-    if rows not in ROWS:
+    if rows not in ROWS or x.dtype != module.scales.dtype or x.shape[-1] != module.weight.shape[-1] * 8:
         return None
     flat = x.reshape(rows, x.shape[-1])
     y = multirow_matmul(flat, module.weight, module.scales, module.biases, module.group_size)
@@ -212,6 +215,15 @@ def route(model: nn.Module) -> int:
         if routed is not None and fits(module):
             module.__class__ = routed
     return routed_count(model)
+
+
+def unroute(model: nn.Module) -> None:
+    """``model``'s routed modules back to MLX's own classes (routing turned
+    off, or the default device no longer MLX-CUDA's GPU, since routing)."""
+    base = {routed: own for own, routed in ROUTED.items()}
+    for _, module in model.named_modules():
+        if type(module) in base:
+            module.__class__ = base[type(module)]
 
 
 def routed_count(model: nn.Module) -> int:
