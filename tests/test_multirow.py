@@ -154,9 +154,10 @@ def test_a_routed_4_bit_target_batches_equal_greedy(kernel_rows, monkeypatch):
     assert kernel_rows
 
 
-def test_routing_needs_mlx_cuda_on_the_gpu_and_can_be_turned_off(monkeypatch):
+def test_routing_needs_mlx_cuda_on_the_gpu_and_can_be_turned_off(monkeypatch, capsys):
     """``adapt_target`` routes a target only on MLX-CUDA's GPU, and not
-    with ``MLX_DSPARK_MULTIROW=0``."""
+    with ``MLX_DSPARK_MULTIROW=0``; routing says so once (its first use
+    compiles) and how to turn it off."""
     model, _ = load(str(FIXTURES / "deepspec-tiny" / "target_tiny_gemma4"))
     quantized(model)
     drafter = mlx_dspark.load_drafter(FIXTURES / "deepspec-tiny" / "dspark_tiny_gemma4_block4")
@@ -167,9 +168,14 @@ def test_routing_needs_mlx_cuda_on_the_gpu_and_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("MLX_DSPARK_MULTIROW", "0")
     adapt_target(model, drafter)
     assert multirow.routed_count(model) == 0
+    assert capsys.readouterr().err == ""
     monkeypatch.delenv("MLX_DSPARK_MULTIROW")
     adapt_target(model, drafter)
     assert multirow.routed_count(model) > 0
+    said = capsys.readouterr().err
+    assert "multirow" in said and "compiles" in said and "MLX_DSPARK_MULTIROW=0" in said
+    adapt_target(model, drafter)  # the next generation's
+    assert capsys.readouterr().err == ""
     monkeypatch.setenv("MLX_DSPARK_MULTIROW", "0")  # turned off since: routed back
     adapt_target(model, drafter)
     assert multirow.routed_count(model) == 0

@@ -15,6 +15,7 @@ its steps.
 Which drafts are kept depends on the request's sampler (see ``speculative.decoding``).
 """
 
+import sys
 import warnings
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
@@ -51,7 +52,14 @@ def adapt_target(model: nn.Module, drafter):
     target = find_target_adapter(model).adapt(model)
     drafter.check_target(target)
     if multirow.available():
-        multirow.route(model)
+        if not multirow.routed_count(model) and multirow.route(model):
+            print(
+                "mlx-dspark: a 4-bit target verifies 2-8 rows by the plugin's multirow "
+                "kernel on MLX-CUDA; its first use on this machine compiles it for each "
+                "shape and row count (minutes for a 12B; then MLX keeps it on disk). "
+                "MLX_DSPARK_MULTIROW=0 turns it off.",
+                file=sys.stderr,
+            )
     else:
         multirow.unroute(model)
     return target
