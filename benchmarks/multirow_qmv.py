@@ -18,8 +18,10 @@ how far the logits moved. JSON lines to stdout (and ``--out``). CUDA only.
 """
 
 import argparse
+import contextlib
 import functools
 import json
+import time
 
 import mlx.core as mx
 from mlx_dspark.targets import multirow
@@ -30,6 +32,21 @@ from quantized_rows import GROUP_SIZE, layer_shapes
 from timing import backend
 
 
+VARIANTS = {"constants": False, "shapes": True}  # the widths: template constants, or the inputs' shapes
+
+
+@contextlib.contextmanager
+def widths(from_shapes: bool):
+    """The kernel's widths as template constants or read from the inputs'
+    shapes (``multirow.WIDTHS_FROM_SHAPES``), for the block."""
+    kept = multirow.WIDTHS_FROM_SHAPES
+    multirow.WIDTHS_FROM_SHAPES = from_shapes
+    try:
+        yield
+    finally:
+        multirow.WIDTHS_FROM_SHAPES = kept
+
+
 def kernel_product(x, w, bits: int):
     """``quantized_rows.chained``'s matmul ([1, M, K] inputs) by the kernel."""
     return multirow.multirow_matmul(x[0], *w, GROUP_SIZE)[None]
@@ -37,11 +54,12 @@ def kernel_product(x, w, bits: int):
 
 def shape_report(rows, cache_mb: int, repeats: int) -> dict:
     """Per 12B projection shape and row count: the largest error of the
-    kernel and of MLX's ``quantized_matmul`` against float32 (over the
-    reference's largest value), and the ms a matmul of each takes, each
-    waiting for the one before over weight copies beyond the cache
-    (``quantized_rows.chained``: a small copy a link included); MLX's at one
-    row too, the kernel's baseline."""
+    kernel (both ``VARIANTS``: ``kernel``, ``kernel_shapes``) and of MLX's
+    ``quantized_matmul`` against float32 (over the reference's largest
+    value), and the ms a matmul of each takes, each waiting for the one
+    before over weight copies beyond the cache (``quantized_rows.chained``:
+    a small copy a link included); MLX's at one row too, the kernel's
+    baseline."""
     by_shape = {}
     for name, (inputs, outputs) in layer_shapes().items():
         made = quantized_rows.weights(inputs, outputs, 1, 4)
@@ -51,12 +69,15 @@ def shape_report(rows, cache_mb: int, repeats: int) -> dict:
         for m in rows:
             x = mx.random.normal((m, inputs)).astype(mx.bfloat16)
             reference = x.astype(mx.float32) @ exact.T
-            ours = multirow.multirow_matmul(x, *q, GROUP_SIZE).astype(mx.float32)
-            mlx = mx.quantized_matmul(x, *q, transpose=True, group_size=GROUP_SIZE, bits=4).astype(mx.float32)
             size = mx.abs(reference).max()
+            products = {"mlx": mx.quantized_matmul(x, *q, transpose=True, group_size=GROUP_SIZE, bits=4)}
+            for variant, from_shapes in VARIANTS.items():
+                with widths(from_shapes):
+                    key = "kernel" if variant == "constants" else "kernel_shapes"
+                    products[key] = multirow.multirow_matmul(x, *q, GROUP_SIZE)
             by_shape[name][m] = {
-                "kernel": round((mx.abs(ours - reference).max() / size).item(), 5),
-                "mlx": round((mx.abs(mlx - reference).max() / size).item(), 5),
+                key: round((mx.abs(y.astype(mx.float32) - reference).max() / size).item(), 5)
+                for key, y in products.items()
             }
         del exact
         copies = quantized_rows.copies_beyond(cache_mb * 2**20, sum(a.nbytes for a in q))
@@ -64,13 +85,15 @@ def shape_report(rows, cache_mb: int, repeats: int) -> dict:
         for m in [1] + list(rows):
             x = mx.random.normal((1, m, inputs)).astype(mx.bfloat16)
             mx.eval(x)
-            products = {"mlx_ms": quantized_rows.matmul}
+            products = {"mlx_ms": (quantized_rows.matmul, False)}
             if m in multirow.ROWS:
-                products["kernel_ms"] = kernel_product
+                products["kernel_ms"] = (kernel_product, False)
+                products["kernel_shapes_ms"] = (kernel_product, True)
             entry = by_shape[name].setdefault(m, {})
-            for key, product in products.items():
+            for key, (product, from_shapes) in products.items():
                 chain = functools.partial(quantized_rows.chained, x, made, 4, product)
-                entry[key] = round(1000 * quantized_rows.seconds(chain, repeats) / copies, 4)
+                with widths(from_shapes):
+                    entry[key] = round(1000 * quantized_rows.seconds(chain, repeats) / copies, 4)
         del made
         mx.clear_cache()
     return by_shape
@@ -78,7 +101,11 @@ def shape_report(rows, cache_mb: int, repeats: int) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[1, 3, 2, 4, 8],
+        help="verify rows; the first verify of each is timed too (3 first: its kernels are not "
+        "compiled by the shape report's rows)",
+    )
     parser.add_argument("--check-rows", type=int, nargs="+", default=[2, 4, 8], help="rows each shape is checked and timed at")
     parser.add_argument("--cache-mb", type=int, default=60, help="the GPU's last-level cache")
     parser.add_argument("--repeats", type=int, default=5)
@@ -93,8 +120,21 @@ def main(argv=None):
     before = {rows: round(verify_ms(target, cache, drafter.taps, rows), 2) for rows in args.rows}
     reference = verify_logits(target, cache, drafter.taps, 8)
     routed = multirow.route(model)
-    after = {rows: round(verify_ms(target, cache, drafter.taps, rows), 2) for rows in args.rows}
-    logits = verify_logits(target, cache, drafter.taps, 8)
+    by_variant = {}
+    for variant, from_shapes in VARIANTS.items():
+        with widths(from_shapes):
+            first = {}
+            for rows in args.rows:  # a fresh process: what its first verify waits, compiles included
+                tic = time.perf_counter()
+                verify_logits(target, cache, drafter.taps, rows)
+                first[rows] = round(time.perf_counter() - tic, 2)
+            logits = verify_logits(target, cache, drafter.taps, 8)
+            by_variant[variant] = {
+                "first_verify_s": first,
+                "verify_ms": {rows: round(verify_ms(target, cache, drafter.taps, rows), 2) for rows in args.rows},
+                "logits_max_change": float(mx.abs(logits - reference).max()),
+                "same_argmax": float((logits.argmax(-1) == reference.argmax(-1)).astype(mx.float32).mean()),
+            }
     line = {
         "bits": 4,
         "backend": backend(),
@@ -103,10 +143,8 @@ def main(argv=None):
         "modules_routed": routed,
         "columns": multirow.COLUMNS,
         "verify_ms": before,
-        "multirow_verify_ms": after,
-        "logits_max_change": float(mx.abs(logits - reference).max()),
+        "multirow": by_variant,
         "logits_max": float(mx.abs(reference).max()),
-        "same_argmax": float((logits.argmax(-1) == reference.argmax(-1)).astype(mx.float32).mean()),
         "shapes": shapes_report,
     }
     return report(line, args.out)

@@ -35,8 +35,8 @@ WARPS_PER_BLOCK = 4
 # uint32 word, lowest first. A lane takes 4 words (32 weights, inside one
 # group) a step; the warp's lanes cover K together and reduce at the end.
 SOURCE = """
-    constexpr int WORDS = K / 8;
-    constexpr int GROUPS = K / G;
+    const int WORDS = K / 8;
+    const int GROUPS = K / G;
     constexpr int PER_LOAD = 16 / int(sizeof(T));
     const int lane = threadIdx.x & 31;
     const long first = ((long(blockIdx.x) * blockDim.x + threadIdx.x) >> 5) * C;
@@ -70,7 +70,7 @@ SOURCE = """
             float xs[M][8];
             #pragma unroll
             for (int m = 0; m < M; ++m) {
-                const uint4* xv = reinterpret_cast<const uint4*>(x + long(m) * K + k0 + 8 * i);
+                const uint4* xv = reinterpret_cast<const uint4*>(x + m * K + k0 + 8 * i);
                 #pragma unroll
                 for (int h = 0; h < 8 / PER_LOAD; ++h) {
                     const uint4 raw = xv[h];
@@ -124,15 +124,30 @@ def verifying():
         _verifying.reset(token)
 
 
+# With the widths as template constants MLX compiles the kernel once per
+# dtype, row count and projection shape: on a fresh H100 a 12B's first
+# generation waited about 220 s for them (BENCHMARKS.md, session 38). Read
+# from the inputs' shapes instead (``mx.fast.cuda_kernel`` passes a shape
+# its source names), it compiles once per dtype and row count. Not yet run
+# on a GPU, so not yet the engine's: ``multirow_qmv.py`` times both.
+WIDTHS_FROM_SHAPES = False
+WIDTHS_FROM_SHAPES_SOURCE = """
+    const int K = x_shape[1];
+    const int N = w_shape[0];
+    const int G = K / scales_shape[1];
+""" + SOURCE
+
+
 @functools.lru_cache(maxsize=None)
-def kernel():
+def kernel(widths_from_shapes: bool):
+    source = WIDTHS_FROM_SHAPES_SOURCE if widths_from_shapes else SOURCE
     # MLX keeps compiled kernels on disk by name and template values, not by
     # source: a name of the source's own, so an edited kernel is compiled anew.
     return mx.fast.cuda_kernel(
-        name=f"multirow_qmv_{zlib.crc32(SOURCE.encode()):08x}",
+        name=f"multirow_qmv_{zlib.crc32(source.encode()):08x}",
         input_names=["x", "w", "scales", "biases"],
         output_names=["y"],
-        source=SOURCE,
+        source=source,
     )
 
 
@@ -141,9 +156,11 @@ def multirow_matmul(x, w, scales, biases, group_size: int):
     ``w`` [N, K / 8]), by the kernel."""
     rows, inputs = x.shape
     outputs = w.shape[0]
-    return kernel()(
+    widths = [] if WIDTHS_FROM_SHAPES else [("K", inputs), ("N", outputs), ("G", group_size)]
+    template = [("T", x.dtype), ("M", rows), *widths, ("C", COLUMNS)]
+    return kernel(WIDTHS_FROM_SHAPES)(
         inputs=[x, w, scales.astype(x.dtype), biases.astype(x.dtype)],
-        template=[("T", x.dtype), ("M", rows), ("K", inputs), ("N", outputs), ("G", group_size), ("C", COLUMNS)],
+        template=template,
         grid=(outputs // COLUMNS * 32, 1, 1),
         threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
         output_shapes=[(rows, outputs)],
