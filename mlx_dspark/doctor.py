@@ -253,6 +253,7 @@ def precision(fingerprint: dict) -> str:
 
 def describe_pair(model, drafter, target) -> dict:
     from .confidence.costs import model_fingerprint
+    from .targets.multirow import routed_count
 
     network = getattr(drafter, "model", None)
     return {
@@ -262,6 +263,8 @@ def describe_pair(model, drafter, target) -> dict:
             "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size,
             "precision": precision(model_fingerprint(model)),
+            # Modules whose 2-8 verify rows the multirow kernel computes (MLX-CUDA, 4-bit).
+            "multirow": routed_count(model),
         },
         "drafter": {
             "kind": drafter.name,
@@ -487,7 +490,9 @@ def format_report(report: dict) -> str:
         return "\n".join(lines)
     t, d = pair["target"], pair["drafter"]
     lines.append(
-        f"pair: {t['model_type']} target ({t['layers']} layers, {t['precision']}) "
+        f"pair: {t['model_type']} target ({t['layers']} layers, {t['precision']}"
+        + (f", verified by the multirow kernel in {t['multirow']} modules" if t["multirow"] else "")
+        + ") "
         f"and {d['kind']} drafter (block {d['block_size']}, up to "
         f"{d['max_draft_tokens']} drafts, {d['precision']}) fit"
     )

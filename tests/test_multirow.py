@@ -220,3 +220,30 @@ def test_the_kernel_takes_its_widths_as_constants_or_from_the_inputs_shapes(monk
     shapes = ("x_shape", "w_shape", "scales_shape")
     assert all(s in multirow.WIDTHS_FROM_SHAPES_SOURCE for s in shapes)
     assert not any(s in multirow.SOURCE for s in shapes)
+
+
+def test_the_doctor_says_how_many_modules_the_multirow_kernel_verifies(monkeypatch, capsys, tmp_path):
+    """``mlx_dspark doctor``'s pair: the modules routed (none on this CPU),
+    and its text says so where there are any."""
+    import json
+
+    from mlx_dspark import doctor
+
+    model, _ = load(str(FIXTURES / "deepspec-tiny" / "target_tiny_gemma4"))
+    quantized(model)
+    drafter = mlx_dspark.load_drafter(FIXTURES / "deepspec-tiny" / "dspark_tiny_gemma4_block4")
+    assert doctor.describe_pair(model, drafter, adapt_target(model, drafter))["target"]["multirow"] == 0
+    monkeypatch.setattr(multirow, "available", lambda: True)
+    routed = doctor.describe_pair(model, drafter, adapt_target(model, drafter))["target"]["multirow"]
+    assert routed == multirow.routed_count(model) > 0
+
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"draft": 1.0, "verify": [10.0] * 5}))
+    path = FIXTURES / "deepspec-tiny"
+    argv = ["--model", str(path / "target_tiny_gemma4"), "--draft-model", str(path / "dspark_tiny_gemma4_block4")]
+    assert doctor.main([*argv, "--costs", str(costs), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pair"]["target"]["multirow"] == 0  # a float target: nothing routed
+    assert "multirow" not in doctor.format_report(report)
+    report["pair"]["target"]["multirow"] = routed
+    assert f"verified by the multirow kernel in {routed} modules" in doctor.format_report(report)
