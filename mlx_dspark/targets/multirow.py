@@ -6,8 +6,8 @@ matrix-vector product a row, each reading the whole weight again, and 8 or
 more as a tiled product that leaves the GPU mostly idle at a 12B's widths:
 on an H100 a Gemma-4-12B 4-bit verify of 2, 4 and 8 rows took 23.0, 36.7 and
 29.2 ms against one row's 14.2; with this kernel 16.7, 19.1 and 22.4, and
-the 4-bit chat rows of issue #14's table went from 1.02-1.13x of plain
-decoding to 1.22-1.64x (BENCHMARKS.md, "Session 38"). MLX has the same idea
+the speculative throughput of issue #14's 4-bit chat rows rose 1.14-1.19x
+(BENCHMARKS.md, "Session 38"). MLX has the same idea
 for Apple silicon (``qmv_wide``, M3 and later), so only CUDA needs it.
 
 ``route`` gives a model's fitting projections (and a tied 4-bit output
