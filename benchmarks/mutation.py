@@ -1569,8 +1569,8 @@ MUTANTS = [
     Mutant(
         "adapt_target never routes",
         SPEC + "engine.py",
-        "if not multirow.routed_count(model) and multirow.route(model):",
-        "if False:",
+        "        elif multirow.route(model):",
+        "        elif False:",
         ("tests/test_multirow.py",),
     ),
     Mutant(
@@ -1597,8 +1597,15 @@ MUTANTS = [
     Mutant(
         "routing stays once turned off",
         SPEC + "engine.py",
-        "    else:\n        multirow.unroute(model)\n",
-        "",
+        "    if not multirow.available():\n        multirow.unroute(model)\n",
+        "    if not multirow.available():\n        pass\n",
+        ("tests/test_multirow.py",),
+    ),
+    Mutant(
+        "the multirow kernel routed unchecked",
+        SPEC + "engine.py",
+        "        failed = multirow.works()\n",
+        "        failed = ''\n",
         ("tests/test_multirow.py",),
     ),
     Mutant(

@@ -154,7 +154,7 @@ def test_a_routed_4_bit_target_batches_equal_greedy(kernel_rows, monkeypatch):
     assert kernel_rows
 
 
-def test_routing_needs_mlx_cuda_on_the_gpu_and_can_be_turned_off(monkeypatch, capsys):
+def test_routing_needs_mlx_cuda_on_the_gpu_and_can_be_turned_off(kernel_rows, monkeypatch, capsys):
     """``adapt_target`` routes a target only on MLX-CUDA's GPU, and not
     with ``MLX_DSPARK_MULTIROW=0``; routing says so once (its first use
     compiles) and how to turn it off."""
@@ -222,7 +222,7 @@ def test_the_kernel_takes_its_widths_as_constants_or_from_the_inputs_shapes(monk
     assert not any(s in multirow.SOURCE for s in shapes)
 
 
-def test_the_doctor_says_how_many_modules_the_multirow_kernel_verifies(monkeypatch, capsys, tmp_path):
+def test_the_doctor_says_how_many_modules_the_multirow_kernel_verifies(kernel_rows, monkeypatch, capsys, tmp_path):
     """``mlx_dspark doctor``'s pair: the modules routed (none on this CPU),
     and its text says so where there are any."""
     import json
@@ -247,3 +247,23 @@ def test_the_doctor_says_how_many_modules_the_multirow_kernel_verifies(monkeypat
     assert "multirow" not in doctor.format_report(report)
     report["pair"]["target"]["multirow"] = routed
     assert f"verified by the multirow kernel in {routed} modules" in doctor.format_report(report)
+
+
+@pytest.mark.parametrize("failure", ["no compiler", "wrong product"])
+def test_a_kernel_that_does_not_compile_or_compute_is_not_used(monkeypatch, capsys, failure):
+    """Before routing, the kernel computes a small product: where it cannot
+    (no NVRTC, here MLX on the CPU) or computes another product than MLX's,
+    the target stays on MLX's kernels, losslessly, and stderr says why."""
+    if failure == "wrong product":
+        monkeypatch.setattr(multirow, "multirow_matmul", lambda x, w, *_: mx.zeros((x.shape[0], w.shape[0])))
+    monkeypatch.setattr(multirow, "available", lambda: True)
+    model, _ = load(str(FIXTURES / "deepspec-tiny" / "target_tiny_gemma4"))
+    quantized(model)
+    drafter = mlx_dspark.load_drafter(FIXTURES / "deepspec-tiny" / "dspark_tiny_gemma4_block4")
+    prompt = [65, 211, 266, 241, 234]
+    ours, _ = speculative(model, drafter, prompt, 12)
+    assert ours == plain_greedy(model, prompt, 12)
+    assert multirow.routed_count(model) == 0
+    said = capsys.readouterr().err
+    why = "did not compile or run" if failure == "no compiler" else "computed another product than MLX's"
+    assert f"the multirow kernel is not used: it {why}" in said

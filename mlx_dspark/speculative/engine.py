@@ -51,8 +51,17 @@ def adapt_target(model: nn.Module, drafter):
     check_drafter(drafter)
     target = find_target_adapter(model).adapt(model)
     drafter.check_target(target)
-    if multirow.available():
-        if not multirow.routed_count(model) and multirow.route(model):
+    if not multirow.available():
+        multirow.unroute(model)
+    elif not multirow.routed_count(model) and any(map(multirow.fits, model.modules())):
+        failed = multirow.works()
+        if failed:
+            print(
+                f"mlx-dspark: the multirow kernel is not used: {failed}. A 4-bit target "
+                "verifies on MLX's own kernels (slower at 2-8 rows on MLX-CUDA).",
+                file=sys.stderr,
+            )
+        elif multirow.route(model):
             print(
                 "mlx-dspark: a 4-bit target verifies 2-8 rows by the plugin's multirow "
                 "kernel on MLX-CUDA; its first use on this machine compiles it for each "
@@ -60,8 +69,6 @@ def adapt_target(model: nn.Module, drafter):
                 "MLX_DSPARK_MULTIROW=0 turns it off.",
                 file=sys.stderr,
             )
-    else:
-        multirow.unroute(model)
     return target
 
 

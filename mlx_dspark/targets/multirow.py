@@ -223,6 +223,24 @@ def available() -> bool:
     )
 
 
+def works() -> str:
+    """Why the kernel cannot be used here ("" where it can): it has to
+    compile (NVRTC, at run time) and compute a small product as MLX does.
+    MLX keeps the compiled kernel on disk, so this costs a compile once a
+    machine."""
+    # bf16, as 4-bit checkpoints run (and as the kernel was timed on a GPU):
+    # within two of its rounding steps of MLX's.
+    linear = nn.QuantizedLinear(64, 2 * COLUMNS, bias=False, group_size=32, bits=4)
+    linear.set_dtype(mx.bfloat16)
+    x = mx.random.normal((2, 64), key=mx.random.key(0)).astype(mx.bfloat16)
+    try:
+        ours = multirow_matmul(x, linear.weight, linear.scales, linear.biases, linear.group_size)
+        same = mx.allclose(ours, linear(x), rtol=2**-6, atol=2**-6).item()
+    except RuntimeError as e:
+        return f"it did not compile or run ({e})"
+    return "" if same else "it computed another product than MLX's"
+
+
 def route(model: nn.Module) -> int:
     """Gives each of ``model``'s modules that ``fits`` the kernel's
     subclass in place (same weights, same parameter tree); returns how many
