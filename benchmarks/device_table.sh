@@ -25,9 +25,8 @@
 # round slow (bf16 rows, graphs off, paid 2-8 ms more than a plain step there).
 # `multirow`: `multirow_qmv.py`, the engine's multirow kernel (on MLX-CUDA a
 # 4-bit target's 2-8 verify rows by a kernel of our own) checked per shape and
-# timed in the verify against MLX's, its widths as template constants and
-# read from the inputs' shapes (about 220 s on an H100 with its first
-# compiles). `nomultirow`: the 4-bit rows on MLX's own kernels
+# timed in the verify against MLX's (150 s on a fresh H100 in session 39,
+# its first compiles included). `nomultirow`: the 4-bit rows on MLX's own kernels
 # (`MLX_DSPARK_MULTIROW=0`), the baseline of the kernel's.
 set -euo pipefail
 export PYTHONPATH=~/site

@@ -18,7 +18,6 @@ how far the logits moved. JSON lines to stdout (and ``--out``). CUDA only.
 """
 
 import argparse
-import contextlib
 import functools
 import json
 import time
@@ -32,21 +31,6 @@ from quantized_rows import GROUP_SIZE, layer_shapes
 from timing import backend
 
 
-VARIANTS = {"constants": False, "shapes": True}  # the widths: template constants, or the inputs' shapes
-
-
-@contextlib.contextmanager
-def widths(from_shapes: bool):
-    """The kernel's widths as template constants or read from the inputs'
-    shapes (``multirow.WIDTHS_FROM_SHAPES``), for the block."""
-    kept = multirow.WIDTHS_FROM_SHAPES
-    multirow.WIDTHS_FROM_SHAPES = from_shapes
-    try:
-        yield
-    finally:
-        multirow.WIDTHS_FROM_SHAPES = kept
-
-
 def kernel_product(x, w, bits: int):
     """``quantized_rows.chained``'s matmul ([1, M, K] inputs) by the kernel."""
     return multirow.multirow_matmul(x[0], *w, GROUP_SIZE)[None]
@@ -54,7 +38,7 @@ def kernel_product(x, w, bits: int):
 
 def shape_report(rows, cache_mb: int, repeats: int) -> dict:
     """Per 12B projection shape and row count: the largest error of the
-    kernel (both ``VARIANTS``: ``kernel``, ``kernel_shapes``) and of MLX's
+    kernel and of MLX's
     ``quantized_matmul`` against float32 (over the reference's largest
     value), and the ms a matmul of each takes, each waiting for the one
     before over weight copies beyond the cache (``quantized_rows.chained``:
@@ -70,11 +54,10 @@ def shape_report(rows, cache_mb: int, repeats: int) -> dict:
             x = mx.random.normal((m, inputs)).astype(mx.bfloat16)
             reference = x.astype(mx.float32) @ exact.T
             size = mx.abs(reference).max()
-            products = {"mlx": mx.quantized_matmul(x, *q, transpose=True, group_size=GROUP_SIZE, bits=4)}
-            for variant, from_shapes in VARIANTS.items():
-                with widths(from_shapes):
-                    key = "kernel" if variant == "constants" else "kernel_shapes"
-                    products[key] = multirow.multirow_matmul(x, *q, GROUP_SIZE)
+            products = {
+                "mlx": mx.quantized_matmul(x, *q, transpose=True, group_size=GROUP_SIZE, bits=4),
+                "kernel": multirow.multirow_matmul(x, *q, GROUP_SIZE),
+            }
             by_shape[name][m] = {
                 key: round((mx.abs(y.astype(mx.float32) - reference).max() / size).item(), 5)
                 for key, y in products.items()
@@ -85,15 +68,13 @@ def shape_report(rows, cache_mb: int, repeats: int) -> dict:
         for m in [1] + list(rows):
             x = mx.random.normal((1, m, inputs)).astype(mx.bfloat16)
             mx.eval(x)
-            products = {"mlx_ms": (quantized_rows.matmul, False)}
+            products = {"mlx_ms": quantized_rows.matmul}
             if m in multirow.ROWS:
-                products["kernel_ms"] = (kernel_product, False)
-                products["kernel_shapes_ms"] = (kernel_product, True)
+                products["kernel_ms"] = kernel_product
             entry = by_shape[name].setdefault(m, {})
-            for key, (product, from_shapes) in products.items():
+            for key, product in products.items():
                 chain = functools.partial(quantized_rows.chained, x, made, 4, product)
-                with widths(from_shapes):
-                    entry[key] = round(1000 * quantized_rows.seconds(chain, repeats) / copies, 4)
+                entry[key] = round(1000 * quantized_rows.seconds(chain, repeats) / copies, 4)
         del made
         mx.clear_cache()
     return by_shape
@@ -120,21 +101,12 @@ def main(argv=None):
     before = {rows: round(verify_ms(target, cache, drafter.taps, rows), 2) for rows in args.rows}
     reference = verify_logits(target, cache, drafter.taps, 8)
     routed = multirow.route(model)
-    by_variant = {}
-    for variant, from_shapes in VARIANTS.items():
-        with widths(from_shapes):
-            first = {}
-            for rows in args.rows:  # a fresh process: what its first verify waits, compiles included
-                tic = time.perf_counter()
-                verify_logits(target, cache, drafter.taps, rows)
-                first[rows] = round(time.perf_counter() - tic, 2)
-            logits = verify_logits(target, cache, drafter.taps, 8)
-            by_variant[variant] = {
-                "first_verify_s": first,
-                "verify_ms": {rows: round(verify_ms(target, cache, drafter.taps, rows), 2) for rows in args.rows},
-                "logits_max_change": float(mx.abs(logits - reference).max()),
-                "same_argmax": float((logits.argmax(-1) == reference.argmax(-1)).astype(mx.float32).mean()),
-            }
+    first = {}
+    for rows in args.rows:  # a fresh process: what its first verify waits, compiles included
+        tic = time.perf_counter()
+        verify_logits(target, cache, drafter.taps, rows)
+        first[rows] = round(time.perf_counter() - tic, 2)
+    logits = verify_logits(target, cache, drafter.taps, 8)
     line = {
         "bits": 4,
         "backend": backend(),
@@ -143,7 +115,12 @@ def main(argv=None):
         "modules_routed": routed,
         "columns": multirow.COLUMNS,
         "verify_ms": before,
-        "multirow": by_variant,
+        "multirow": {
+            "first_verify_s": first,
+            "verify_ms": {rows: round(verify_ms(target, cache, drafter.taps, rows), 2) for rows in args.rows},
+            "logits_max_change": float(mx.abs(logits - reference).max()),
+            "same_argmax": float((logits.argmax(-1) == reference.argmax(-1)).astype(mx.float32).mean()),
+        },
         "logits_max": float(mx.abs(reference).max()),
         "shapes": shapes_report,
     }

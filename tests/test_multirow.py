@@ -196,32 +196,6 @@ def test_a_routed_target_has_cost_profiles_of_its_own(monkeypatch):
     assert key() != before
 
 
-@pytest.mark.parametrize("from_shapes", [False, True])
-def test_the_kernel_takes_its_widths_as_constants_or_from_the_inputs_shapes(monkeypatch, from_shapes):
-    """As constants, MLX compiles a kernel per shape (the widths are in its
-    template); read from the shapes, per dtype and row count only, its
-    source naming the shapes MLX passes it (``x_shape``, ``w_shape``,
-    ``scales_shape``) and the other not naming them."""
-    calls = []
-
-    def fake_kernel(widths_from_shapes):
-        def launch(**kwargs):
-            calls.append((widths_from_shapes, [name for name, _ in kwargs["template"]]))
-            return [mx.zeros(kwargs["output_shapes"][0], kwargs["output_dtypes"][0])]
-        return launch
-
-    monkeypatch.setattr(multirow, "kernel", fake_kernel)
-    monkeypatch.setattr(multirow, "WIDTHS_FROM_SHAPES", from_shapes)
-    linear = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)
-    y = multirow.multirow_matmul(mx.ones((3, 64)), linear.weight, linear.scales, linear.biases, 32)
-    assert y.shape == (3, 32)
-    widths = [] if from_shapes else ["K", "N", "G"]
-    assert calls == [(from_shapes, ["T", "M", *widths, "C"])]
-    shapes = ("x_shape", "w_shape", "scales_shape")
-    assert all(s in multirow.WIDTHS_FROM_SHAPES_SOURCE for s in shapes)
-    assert not any(s in multirow.SOURCE for s in shapes)
-
-
 def test_the_doctor_says_how_many_modules_the_multirow_kernel_verifies(kernel_rows, monkeypatch, capsys, tmp_path):
     """``mlx_dspark doctor``'s pair: the modules routed (none on this CPU),
     and its text says so where there are any."""

@@ -4,10 +4,10 @@ by a kernel that reads each packed weight once for all the rows.
 MLX 0.32's CUDA backend runs 2-7 rows of an affine 4-bit matmul as one
 matrix-vector product a row, each reading the whole weight again, and 8 or
 more as a tiled product that leaves the GPU mostly idle at a 12B's widths:
-on an H100 a Gemma-4-12B 4-bit verify of 2, 4 and 8 rows took 23.0, 36.7 and
-29.2 ms against one row's 14.2; with this kernel 16.7, 19.1 and 22.4, and
-the speculative throughput of issue #14's 4-bit chat rows rose 1.14-1.19x
-(BENCHMARKS.md, "Session 38"). MLX has the same idea
+on an H100 a Gemma-4-12B 4-bit verify of 2, 4 and 8 rows took 22.6, 36.1 and
+28.4 ms against one row's 13.6; with this kernel 16.4, 18.3 and 21.4, and
+issue #14's 4-bit chat rows went from 0.98-1.07x of plain decoding to
+1.33-1.40x (BENCHMARKS.md, "Session 39"). MLX has the same idea
 for Apple silicon (``qmv_wide``, M3 and later), so only CUDA needs it.
 
 ``route`` gives a model's fitting projections (and a tied 4-bit output
@@ -124,30 +124,20 @@ def verifying():
         _verifying.reset(token)
 
 
-# With the widths as template constants MLX compiles the kernel once per
-# dtype, row count and projection shape: on a fresh H100 a 12B's first
-# generation waited about 220 s for them (BENCHMARKS.md, session 38). Read
-# from the inputs' shapes instead (``mx.fast.cuda_kernel`` passes a shape
-# its source names), it compiles once per dtype and row count. Not yet run
-# on a GPU, so not yet the engine's: ``multirow_qmv.py`` times both.
-WIDTHS_FROM_SHAPES = False
-WIDTHS_FROM_SHAPES_SOURCE = """
-    const int K = x_shape[1];
-    const int N = w_shape[0];
-    const int G = K / scales_shape[1];
-""" + SOURCE
-
-
-@functools.lru_cache(maxsize=None)
-def kernel(widths_from_shapes: bool):
-    source = WIDTHS_FROM_SHAPES_SOURCE if widths_from_shapes else SOURCE
+# The widths are template constants, so MLX compiles the kernel once per
+# dtype, row count and projection shape (63 compiles for a 12B, 1.4-3.5 s
+# each on an H100). Read from the inputs' shapes instead it compiled 7, but
+# verified 2-4 rows 0.2-0.9 ms slower (BENCHMARKS.md, session 39); MLX keeps
+# compiled kernels on disk, so only a machine's first generation waits.
+@functools.cache
+def kernel():
     # MLX keeps compiled kernels on disk by name and template values, not by
     # source: a name of the source's own, so an edited kernel is compiled anew.
     return mx.fast.cuda_kernel(
-        name=f"multirow_qmv_{zlib.crc32(source.encode()):08x}",
+        name=f"multirow_qmv_{zlib.crc32(SOURCE.encode()):08x}",
         input_names=["x", "w", "scales", "biases"],
         output_names=["y"],
-        source=source,
+        source=SOURCE,
     )
 
 
@@ -156,11 +146,9 @@ def multirow_matmul(x, w, scales, biases, group_size: int):
     ``w`` [N, K / 8]), by the kernel."""
     rows, inputs = x.shape
     outputs = w.shape[0]
-    widths = [] if WIDTHS_FROM_SHAPES else [("K", inputs), ("N", outputs), ("G", group_size)]
-    template = [("T", x.dtype), ("M", rows), *widths, ("C", COLUMNS)]
-    return kernel(WIDTHS_FROM_SHAPES)(
+    return kernel()(
         inputs=[x, w, scales.astype(x.dtype), biases.astype(x.dtype)],
-        template=template,
+        template=[("T", x.dtype), ("M", rows), ("K", inputs), ("N", outputs), ("G", group_size), ("C", COLUMNS)],
         grid=(outputs // COLUMNS * 32, 1, 1),
         threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
         output_shapes=[(rows, outputs)],
