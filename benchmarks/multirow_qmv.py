@@ -10,9 +10,12 @@ more as a tiled product that leaves the GPU mostly idle at the 12B's widths
 
 It checks the kernel per 12B projection shape against a float32 reference
 (and MLX's own kernel against the same) and times it against MLX's, then
-times the verify (on the engine's caches, at ``--context``) as MLX runs it
-and with the target routed as the engine routes it on MLX-CUDA, and
-how far the logits moved. JSON lines to stdout (and ``--out``). CUDA only.
+times the verify (on the engine's caches, at ``--context``) as MLX runs it,
+with every routed module's 2-8 rows by the kernel (and how far the logits
+moved), and as the engine routes it on MLX-CUDA: by the kernel only at the
+shapes and rows ``multirow.choose`` timed it faster (``chosen``; the cache
+folder keeps a machine's choices, so its ``choose_s`` is the timing only
+where the folder is fresh). JSON lines to stdout (and ``--out``). CUDA only.
 
     python multirow_qmv.py --rows 1 2 4 8
 """
@@ -107,6 +110,10 @@ def main(argv=None):
         verify_logits(target, cache, drafter.taps, rows)
         first[rows] = round(time.perf_counter() - tic, 2)
     logits = verify_logits(target, cache, drafter.taps, 8)
+    every_row = {rows: round(verify_ms(target, cache, drafter.taps, rows), 2) for rows in args.rows}
+    tic = time.perf_counter()
+    kept = multirow.choose(model)  # as the engine routes: where this machine timed the kernel faster
+    choosing = round(time.perf_counter() - tic, 2)
     line = {
         "bits": 4,
         "backend": backend(),
@@ -117,9 +124,15 @@ def main(argv=None):
         "verify_ms": before,
         "multirow": {
             "first_verify_s": first,
-            "verify_ms": {rows: round(verify_ms(target, cache, drafter.taps, rows), 2) for rows in args.rows},
+            "verify_ms": every_row,
             "logits_max_change": float(mx.abs(logits - reference).max()),
             "same_argmax": float((logits.argmax(-1) == reference.argmax(-1)).astype(mx.float32).mean()),
+        },
+        "chosen": {
+            "choose_s": choosing,
+            "modules_routed": kept,
+            "routing": multirow.routing(model),
+            "verify_ms": {rows: round(verify_ms(target, cache, drafter.taps, rows), 2) for rows in args.rows},
         },
         "logits_max": float(mx.abs(reference).max()),
         "shapes": shapes_report,

@@ -21,6 +21,9 @@ from test_batching import check_batch
 from tiny import gemma4_text_args, plain_greedy, speculative, tiny_dspark, tiny_gemma4, tiny_qwen3
 
 
+TIMED_KERNEL_FASTER = multirow.kernel_faster  # the fixture below replaces it
+
+
 def quantized(model, bits=4):
     nn.quantize(
         model, group_size=32, bits=bits,
@@ -30,8 +33,11 @@ def quantized(model, bits=4):
 
 
 @pytest.fixture
-def kernel_rows(monkeypatch):
-    """The rows each call of the (stand-in) kernel was given."""
+def kernel_rows(monkeypatch, tmp_path):
+    """The rows each call of the (stand-in) kernel was given. The kernel is
+    timed faster than MLX's at every shape and row count (this CPU's timings
+    would choose by chance), with the choices kept in a cache folder of the
+    test's own."""
     seen = []
 
     def stand_in(x, w, scales, biases, group_size):
@@ -39,6 +45,8 @@ def kernel_rows(monkeypatch):
         return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
 
     monkeypatch.setattr(multirow, "multirow_matmul", stand_in)
+    monkeypatch.setattr(multirow, "kernel_faster", lambda modules, rows: True)
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
     return seen
 
 
@@ -128,11 +136,13 @@ def test_speculative_decoding_on_a_routed_4_bit_target_is_lossless(kernel_rows, 
     model, _ = load(str(FIXTURES / "deepspec-tiny" / "target_tiny_gemma4"))
     quantized(model)
     drafter = mlx_dspark.load_drafter(FIXTURES / "deepspec-tiny" / "dspark_tiny_gemma4_block4")
+    adapt_target(model, drafter)
+    assert multirow.routed_count(model) > 0
+    kernel_rows.clear()  # the check before routing's product
     for prompt in ([65, 211, 266, 241, 234], [9, 8, 7]):
         expected = plain_greedy(model, prompt, 30)
         ours, stats = speculative(model, drafter, prompt, 30)
         assert ours == expected and stats.accepted > 0
-    assert multirow.routed_count(model) > 0
     assert kernel_rows
 
 
@@ -149,15 +159,17 @@ def test_a_routed_4_bit_target_batches_equal_greedy(kernel_rows, monkeypatch):
         (1, [23], dict(max_tokens=[12], num_draft_tokens=[1]), ()),
     ]
     sizes = dict(completion_batch_size=3, prefill_batch_size=2, prefill_step_size=2048)
-    check_batch(model, drafter, requests, sizes, seed=8)
+    adapt_target(model, drafter)
     assert multirow.routed_count(model) > 0
+    kernel_rows.clear()  # the check before routing's product
+    check_batch(model, drafter, requests, sizes, seed=8)
     assert kernel_rows
 
 
 def test_routing_needs_mlx_cuda_on_the_gpu_and_can_be_turned_off(kernel_rows, monkeypatch, capsys):
     """``adapt_target`` routes a target only on MLX-CUDA's GPU, and not
-    with ``MLX_DSPARK_MULTIROW=0``; routing says so once (its first use
-    compiles) and how to turn it off."""
+    with ``MLX_DSPARK_MULTIROW=0``; routing says so once, and how to turn it
+    off, and that a machine's first use times (and compiles) the kernel."""
     model, _ = load(str(FIXTURES / "deepspec-tiny" / "target_tiny_gemma4"))
     quantized(model)
     drafter = mlx_dspark.load_drafter(FIXTURES / "deepspec-tiny" / "dspark_tiny_gemma4_block4")
@@ -173,7 +185,8 @@ def test_routing_needs_mlx_cuda_on_the_gpu_and_can_be_turned_off(kernel_rows, mo
     adapt_target(model, drafter)
     assert multirow.routed_count(model) > 0
     said = capsys.readouterr().err
-    assert "multirow" in said and "compiles" in said and "MLX_DSPARK_MULTIROW=0" in said
+    assert "timing the multirow kernel" in said and "compiles" in said
+    assert "verifies by the plugin's multirow kernel" in said and "MLX_DSPARK_MULTIROW=0" in said
     adapt_target(model, drafter)  # the next generation's
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("MLX_DSPARK_MULTIROW", "0")  # turned off since: routed back
@@ -183,7 +196,8 @@ def test_routing_needs_mlx_cuda_on_the_gpu_and_can_be_turned_off(kernel_rows, mo
 
 def test_a_routed_target_has_cost_profiles_of_its_own(monkeypatch):
     """Verify costs measured with the kernel are not MLX's: a routed
-    target's profile key differs, so neither is read for the other."""
+    target's profile key differs, so neither is read for the other, and so
+    does one whose kernel rows were chosen otherwise."""
     model = quantized(tiny_qwen3(seed=5))
     drafter = mlx_dspark.load_drafter(FIXTURES / "deepspec-tiny" / "dspark_tiny_gemma4_block4")
 
@@ -193,7 +207,102 @@ def test_a_routed_target_has_cost_profiles_of_its_own(monkeypatch):
     before = key()
     assert key() == before
     multirow.route(model)
-    assert key() != before
+    routed = key()
+    assert routed != before
+    model.model.layers[0].mlp.down_proj.kernel_rows = frozenset({8})  # chosen otherwise
+    assert key() not in (before, routed)
+
+
+def timed(faster):
+    """A ``kernel_faster`` that answers ``faster(shape, rows)`` and records
+    what it was asked (one shape's modules at a time)."""
+    asked = []
+
+    def kernel_faster(modules, rows):
+        shapes = {multirow.shape_key(m) for m in modules}
+        assert len(shapes) == 1
+        asked.append((shapes.pop(), rows, len(modules)))
+        return faster(asked[-1][0], rows)
+
+    return kernel_faster, asked
+
+
+def test_choose_keeps_the_kernel_only_at_the_shapes_and_rows_it_was_timed_faster(kernel_rows, monkeypatch):
+    """Each shape is timed at 2-8 rows, all its modules together; a routed
+    module keeps the kernel at the rows it was faster, and goes back to
+    MLX's class where it was faster at none (here the tied head's shape); a
+    forward then takes the kernel only there, with the same logits."""
+    model = quantized(tiny_qwen3(seed=4, tie=True))
+    target = find_target_adapter(model).adapt(model)
+    head = multirow.shape_key(model.model.embed_tokens)
+    kernel_faster, asked = timed(lambda shape, rows: rows % 2 == 0 and shape != head)
+    monkeypatch.setattr(multirow, "kernel_faster", kernel_faster)
+    routed = multirow.route(model)
+    shapes = {multirow.shape_key(m): 0 for _, m in model.named_modules() if type(m) in multirow.ROUTED.values()}
+    for _, m in model.named_modules():
+        if type(m) in multirow.ROUTED.values():
+            shapes[multirow.shape_key(m)] += 1
+    assert len(shapes) > 2
+    assert multirow.choose(model) == routed - shapes[head]
+    assert sorted(asked) == sorted((s, rows, n) for s, n in shapes.items() for rows in multirow.ROWS)
+    assert type(model.model.embed_tokens) is nn.QuantizedEmbedding
+    assert multirow.routing(model) == sorted((s, (2, 4, 6, 8)) for s in shapes if s != head)
+    for length in (3, 4):
+        tokens = mx.random.randint(0, 96, (1, length), key=mx.random.key(length))
+        kernel_rows.clear()
+        logits = target(tokens, target.make_cache(8)).logits
+        multirow.unroute(model)
+        assert mx.allclose(logits, target(tokens, target.make_cache(8)).logits, atol=1e-4).item()
+        multirow.route(model)
+        multirow.choose(model)
+        assert kernel_rows == ([length] * (routed - shapes[head]) if length == 4 else [])
+
+
+def test_a_machine_times_each_shape_once(kernel_rows, monkeypatch, capsys, tmp_path):
+    """The choices are kept in the cache folder per device, MLX and kernel:
+    a second model of the same shapes is not timed again (and nothing is
+    said), a new shape is; a file that cannot be read, or another device,
+    is timed again."""
+    kernel_faster, asked = timed(lambda shape, rows: rows < 5)
+    monkeypatch.setattr(multirow, "kernel_faster", kernel_faster)
+
+    def routed_model(new_shape=False):
+        model = quantized(tiny_qwen3(seed=5))
+        if new_shape:
+            model.model.layers[0].mlp.new = nn.QuantizedLinear(64, 36, bias=False, group_size=32, bits=4)
+        multirow.route(model)
+        return model
+
+    first = multirow.choose(routed_model())
+    timings = len(asked)
+    assert first > 0 and timings > 0
+    assert "timing the multirow kernel" in capsys.readouterr().err
+    assert multirow.choose(routed_model()) == first
+    assert len(asked) == timings and capsys.readouterr().err == ""
+    multirow.choose(routed_model(new_shape=True))
+    assert len(asked) == timings + len(multirow.ROWS)
+    path = multirow.choices_path()
+    assert path.parent.parent == tmp_path
+    path.write_text("{not json")
+    multirow.choose(routed_model())
+    assert len(asked) == 2 * timings + len(multirow.ROWS)
+    real = multirow.costs.device_identity()
+    monkeypatch.setattr(multirow.costs, "device_identity", lambda: {**real, "device_name": "another GPU"})
+    assert multirow.choices_path() != path
+    multirow.choose(routed_model())
+    assert len(asked) == 3 * timings + len(multirow.ROWS)
+
+
+@pytest.mark.parametrize("kernel_seconds, faster", [(1.0, True), (3.0, False)])
+def test_kernel_faster_compares_the_kernel_s_time_with_mlx_s(kernel_rows, kernel_seconds, faster):
+    """``kernel_faster`` times the kernel on all the modules of a shape at
+    the rows asked, against MLX's kernels on the same (the clock injected:
+    the kernel takes ``kernel_seconds`` each pass, MLX 2)."""
+    del kernel_rows[:]
+    modules = [nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4) for _ in range(3)]
+    ticks = iter([0.0, kernel_seconds, 0.0, 2.0] * multirow.costs.REPEATS)
+    assert TIMED_KERNEL_FASTER(modules, 5, clock=lambda: next(ticks)) is faster
+    assert kernel_rows == [5] * 3 * 2 * multirow.costs.REPEATS  # untimed and timed, each pass
 
 
 def test_the_doctor_says_how_many_modules_the_multirow_kernel_verifies(kernel_rows, monkeypatch, capsys, tmp_path):

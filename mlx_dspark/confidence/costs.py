@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..targets.multirow import routed_count
+from ..targets import multirow
 from .calibration import user_cache_dir
 
 MAX_AGE = 7 * 24 * 3600.0
@@ -262,7 +262,7 @@ class RoundTimer:
         settings = {name: os.environ[name] for name in LAUNCH_SETTINGS if name in os.environ}
         if settings:
             identity["settings"] = settings
-        routed = routed_count(self.model)
+        routed = multirow.routing(self.model)
         if routed:  # its verifies are not MLX's kernels'
             identity["multirow"] = routed
         text = json.dumps(identity, sort_keys=True, default=str)

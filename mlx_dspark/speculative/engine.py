@@ -61,12 +61,11 @@ def adapt_target(model: nn.Module, drafter):
                 "verifies on MLX's own kernels (slower at 2-8 rows on MLX-CUDA).",
                 file=sys.stderr,
             )
-        elif multirow.route(model):
+        elif multirow.route(model) and multirow.choose(model):
             print(
-                "mlx-dspark: a 4-bit target verifies 2-8 rows by the plugin's multirow "
-                "kernel on MLX-CUDA; its first use on this machine compiles it for each "
-                "shape and row count (minutes for a 12B; then MLX keeps it on disk). "
-                "MLX_DSPARK_MULTIROW=0 turns it off.",
+                "mlx-dspark: a 4-bit target verifies by the plugin's multirow kernel on "
+                "MLX-CUDA, at the shapes and row counts (2-8) where this machine timed "
+                "it faster than MLX's kernels. MLX_DSPARK_MULTIROW=0 turns it off.",
                 file=sys.stderr,
             )
     return target

@@ -15,17 +15,27 @@ head) a subclass of MLX's own module that runs the kernel only inside
 ``verifying()``, which the target adapters' forwards enter (verifies, and
 the engine's prompt chunks), and only at 2-8 rows: plain decoding's one row,
 long prompt chunks and anything mlx-lm runs itself (its batched decoding
-too) stay on MLX's kernels. ``MLX_DSPARK_MULTIROW=0`` turns it off.
+too) stay on MLX's kernels. ``choose`` then keeps the kernel, shape by shape,
+only at the row counts where this machine measured it faster than MLX's
+(on an H100, MLX's tiled kernel was faster at 8 rows for the 12B's widest
+projections and its head). ``MLX_DSPARK_MULTIROW=0`` turns it off.
 """
 
 import contextlib
 import contextvars
 import functools
+import hashlib
+import json
 import os
+import sys
 import zlib
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from ..confidence import costs
+from ..confidence.calibration import user_cache_dir
 
 ROWS = range(2, 9)
 COLUMNS = 4  # outputs a warp computes (2 and 8 were slower at 8 rows on an H100)
@@ -173,13 +183,14 @@ def fits(module) -> bool:
 
 def _by_kernel(module, x):
     """``x`` times ``module``'s weights by the kernel, or ``None`` where
-    MLX's own kernels take it: outside a target's forward, not 2-8 rows, or
+    MLX's own kernels take it: outside a target's forward, at rows the
+    kernel was not chosen for (2-8 at most), or
     inputs MLX would promote or refuse (another dtype than the scales',
     another width than the weights')."""
     if not _verifying.get():
         return None
     rows = x.size // x.shape[-1]
-    if rows not in ROWS or x.dtype != module.scales.dtype or x.shape[-1] != module.weight.shape[-1] * 8:
+    if rows not in module.kernel_rows or x.dtype != module.scales.dtype or x.shape[-1] != module.weight.shape[-1] * 8:
         return None
     flat = x.reshape(rows, x.shape[-1])
     y = multirow_matmul(flat, module.weight, module.scales, module.biases, module.group_size)
@@ -187,12 +198,16 @@ def _by_kernel(module, x):
 
 
 class MultirowQuantizedLinear(nn.QuantizedLinear):
+    kernel_rows = frozenset(ROWS)  # ``choose`` narrows it per shape
+
     def __call__(self, x):
         y = _by_kernel(self, x)
         return super().__call__(x) if y is None else y
 
 
 class MultirowQuantizedEmbedding(nn.QuantizedEmbedding):
+    kernel_rows = frozenset(ROWS)
+
     def as_linear(self, x):
         y = _by_kernel(self, x)
         return super().as_linear(x) if y is None else y
@@ -243,11 +258,120 @@ def route(model: nn.Module) -> int:
 def unroute(model: nn.Module) -> None:
     """``model``'s routed modules back to MLX's own classes (routing turned
     off, or the default device no longer MLX-CUDA's GPU, since routing)."""
-    base = {routed: own for own, routed in ROUTED.items()}
-    for _, module in model.named_modules():
-        if type(module) in base:
-            module.__class__ = base[type(module)]
+    for module in _routed(model):
+        _to_mlx(module)
+
+
+def _to_mlx(module) -> None:
+    module.__class__ = {routed: own for own, routed in ROUTED.items()}[type(module)]
+
+
+def _routed(model: nn.Module) -> list:
+    return [m for _, m in model.named_modules() if type(m) in ROUTED.values()]
 
 
 def routed_count(model: nn.Module) -> int:
-    return sum(type(m) in ROUTED.values() for _, m in model.named_modules())
+    return len(_routed(model))
+
+
+def routing(model: nn.Module) -> list:
+    """The routed modules' shapes, each with its rows by the kernel: what a
+    routed target's verify costs depend on."""
+    return sorted({(shape_key(m), tuple(sorted(m.kernel_rows))) for m in _routed(model)})
+
+
+def shape_key(module) -> str:
+    """What the kernel's speed against MLX's depends on: the product's
+    widths, its groups and the activations' dtype (the scales')."""
+    return f"{module.weight.shape[0]}x{module.weight.shape[1] * 8}/{module.group_size} {module.scales.dtype}"
+
+
+def kernel_faster(modules, rows: int, clock=None) -> bool:
+    """Whether the kernel computed ``rows`` random rows by each of
+    ``modules`` (one shape; all of them, so that the weights come from
+    memory as in a verify, not from the cache) faster than MLX's kernels."""
+    first = modules[0]
+    x = mx.random.normal((rows, first.weight.shape[1] * 8)).astype(first.scales.dtype)
+
+    def by_kernel():
+        return [multirow_matmul(x, m.weight, m.scales, m.biases, m.group_size) for m in modules]
+
+    def by_mlx():
+        return [
+            mx.quantized_matmul(x, m.weight, m.scales, m.biases, transpose=True, group_size=m.group_size, bits=4)
+            for m in modules
+        ]
+
+    kernel, mlx = costs.fastest_seconds(by_kernel, by_mlx, clock=clock)
+    return kernel < mlx
+
+
+def choose(model: nn.Module) -> int:
+    """Keeps each routed module's kernel only at the rows where it was
+    measured faster than MLX's for its shape on this machine; a module that
+    it was faster for at no rows goes back to MLX's class. A shape is
+    measured once a machine (its choice kept in the cache folder: the first
+    measurement compiles the kernel for each row count). Returns how many
+    of ``model``'s modules stay routed."""
+    by_shape = {}
+    for module in _routed(model):
+        by_shape.setdefault(shape_key(module), []).append(module)
+    path = choices_path()
+    known = _read_choices(path)
+    missing = [shape for shape in by_shape if shape not in known]
+    if missing:
+        print(
+            f"mlx-dspark: timing the multirow kernel against MLX's at {len(missing)} "
+            "projection shapes and 2-8 rows, once a machine (the first time, minutes "
+            "for a 12B: it compiles the kernel for each).",
+            file=sys.stderr,
+        )
+        for shape in missing:
+            known[shape] = [rows for rows in ROWS if kernel_faster(by_shape[shape], rows)]
+        _save_choices(path, {shape: known[shape] for shape in missing})
+    for shape, modules in by_shape.items():
+        rows = frozenset(known[shape])
+        for module in modules:
+            if rows:
+                module.kernel_rows = rows
+            else:
+                _to_mlx(module)
+    return routed_count(model)
+
+
+def choices_path() -> Path:
+    """This machine's choices: its device, MLX and the kernel's source."""
+    identity = {
+        "device": costs.device_identity(),
+        "mlx": mx.__version__,
+        "kernel": [SOURCE, COLUMNS, WARPS_PER_BLOCK],
+    }
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+    return user_cache_dir() / "multirow" / f"{key}.json"
+
+
+def _read_choices(path: Path) -> dict:
+    """The shapes' rows by the kernel, those well formed (a file that
+    cannot be read is measured again)."""
+    try:
+        choices = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(choices, dict):
+        return {}
+    return {
+        shape: rows for shape, rows in choices.items()
+        if isinstance(rows, list) and all(isinstance(r, int) and r in ROWS for r in rows)
+    }
+
+
+def _save_choices(path: Path, choices: dict) -> None:
+    """Adds ``choices`` to the file, whole or not at all (another process
+    may write it too: it loses at most a measurement, taken again)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps({**_read_choices(path), **choices}, indent=1, sort_keys=True))
+        partial.replace(path)
+    except OSError:
+        pass  # an unwritable cache costs a measurement next time
