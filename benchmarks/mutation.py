@@ -1623,6 +1623,13 @@ MUTANTS = [
         ("tests/test_multirow.py",),
     ),
     Mutant(
+        "the multirow kernel timed side by side",
+        "mlx_dspark/targets/multirow.py",
+        "                inputs = x + 0 * y[:, :1]\n",
+        "                inputs = x\n",
+        ("tests/test_multirow.py",),
+    ),
+    Mutant(
         "a shape the multirow kernel is never faster at stays routed",
         "mlx_dspark/targets/multirow.py",
         "            if rows:\n",

@@ -294,15 +294,25 @@ def test_a_machine_times_each_shape_once(kernel_rows, monkeypatch, capsys, tmp_p
 
 
 @pytest.mark.parametrize("kernel_seconds, faster", [(1.0, True), (3.0, False)])
-def test_kernel_faster_compares_the_kernel_s_time_with_mlx_s(kernel_rows, kernel_seconds, faster):
+def test_kernel_faster_compares_the_kernel_s_time_with_mlx_s(monkeypatch, kernel_seconds, faster):
     """``kernel_faster`` times the kernel on all the modules of a shape at
-    the rows asked, against MLX's kernels on the same (the clock injected:
-    the kernel takes ``kernel_seconds`` each pass, MLX 2)."""
-    del kernel_rows[:]
+    the rows asked, each product reading the one before's outputs (on a GPU
+    independent ones run side by side), against MLX's kernels on the same
+    (the clock injected: the kernel takes ``kernel_seconds`` each pass, MLX 2)."""
+    inputs = []
+
+    def stand_in(x, w, scales, biases, group_size):
+        inputs.append(x)
+        return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
+
+    monkeypatch.setattr(multirow, "multirow_matmul", stand_in)
     modules = [nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4) for _ in range(3)]
     ticks = iter([0.0, kernel_seconds, 0.0, 2.0] * multirow.costs.REPEATS)
     assert TIMED_KERNEL_FASTER(modules, 5, clock=lambda: next(ticks)) is faster
-    assert kernel_rows == [5] * 3 * 2 * multirow.costs.REPEATS  # untimed and timed, each pass
+    assert [x.shape for x in inputs] == [(5, 64)] * 3 * 2 * multirow.costs.REPEATS  # untimed and timed, each pass
+    first, second, third = inputs[:3]
+    assert second is not first and third is not second  # each the one before's outputs
+    assert mx.array_equal(second, first).item()  # passed on, not changed
 
 
 def test_the_doctor_says_how_many_modules_the_multirow_kernel_verifies(kernel_rows, monkeypatch, capsys, tmp_path):
