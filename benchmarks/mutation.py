@@ -1644,6 +1644,13 @@ MUTANTS = [
         ("tests/test_multirow.py",),
     ),
     Mutant(
+        "an unwritable multirow choices folder stops generation",
+        "mlx_dspark/targets/multirow.py",
+        "    except OSError:\n        pass  # an unwritable cache",
+        "    except ValueError:\n        pass  # an unwritable cache",
+        ("tests/test_multirow.py",),
+    ),
+    Mutant(
         "the multirow choices are another device's",
         "mlx_dspark/targets/multirow.py",
         '        "device": costs.device_identity(),\n',

@@ -293,6 +293,22 @@ def test_a_machine_times_each_shape_once(kernel_rows, monkeypatch, capsys, tmp_p
     assert len(asked) == 3 * timings + len(multirow.ROWS)
 
 
+def test_an_unwritable_cache_folder_costs_a_timing_not_the_routing(kernel_rows, monkeypatch, tmp_path):
+    """Where the choices cannot be kept (the cache folder is a file), the
+    target is still routed as timed, and the next model is timed again."""
+    kernel_faster, asked = timed(lambda shape, rows: rows == 8)
+    monkeypatch.setattr(multirow, "kernel_faster", kernel_faster)
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(blocked))
+    for timings in (1, 2):
+        model = quantized(tiny_qwen3(seed=6))
+        multirow.route(model)
+        assert multirow.choose(model) > 0
+        assert {rows for _, rows in multirow.routing(model)} == {(8,)}
+        assert len(asked) == timings * len({s for s, _, _ in asked}) * len(multirow.ROWS)
+
+
 @pytest.mark.parametrize("kernel_seconds, faster", [(1.0, True), (3.0, False)])
 def test_kernel_faster_compares_the_kernel_s_time_with_mlx_s(monkeypatch, kernel_seconds, faster):
     """``kernel_faster`` times the kernel on all the modules of a shape at
