@@ -3,6 +3,8 @@ modules, which rows, and only inside a speculative verify. The kernel is
 CUDA's; here a stand-in that dequantizes takes its place and records what
 it was given."""
 
+import json
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -259,10 +261,10 @@ def test_choose_keeps_the_kernel_only_at_the_shapes_and_rows_it_was_timed_faster
 
 
 def test_a_machine_times_each_shape_once(kernel_rows, monkeypatch, capsys, tmp_path):
-    """The choices are kept in the cache folder per device, MLX and kernel:
-    a second model of the same shapes is not timed again (and nothing is
-    said), a new shape is; a file that cannot be read, or another device,
-    is timed again."""
+    """The choices are kept in the cache folder per device, MLX, launch
+    settings, kernel and timing: a second model of the same shapes is not
+    timed again (and nothing is said), a new shape is, and is added to the
+    others; a file that cannot be read, or another device, is timed again."""
     kernel_faster, asked = timed(lambda shape, rows: rows < 5)
     monkeypatch.setattr(multirow, "kernel_faster", kernel_faster)
 
@@ -281,8 +283,21 @@ def test_a_machine_times_each_shape_once(kernel_rows, monkeypatch, capsys, tmp_p
     assert len(asked) == timings and capsys.readouterr().err == ""
     multirow.choose(routed_model(new_shape=True))
     assert len(asked) == timings + len(multirow.ROWS)
+    multirow.choose(routed_model())
+    multirow.choose(routed_model(new_shape=True))
+    assert len(asked) == timings + len(multirow.ROWS)  # both kept
     path = multirow.choices_path()
     assert path.parent.parent == tmp_path
+    for change in (
+        lambda m: m.setattr(multirow.mx, "__version__", "0.0.0"),
+        lambda m: m.setenv("MLX_USE_CUDA_GRAPHS", "0"),
+        lambda m: m.setattr(multirow, "SOURCE", multirow.SOURCE + "\n"),
+        lambda m: m.setattr(multirow, "TIMING", "side by side"),
+    ):
+        with monkeypatch.context() as m:
+            change(m)
+            assert multirow.choices_path() != path
+    assert multirow.choices_path() == path
     path.write_text("{not json")
     multirow.choose(routed_model())
     assert len(asked) == 2 * timings + len(multirow.ROWS)
@@ -291,6 +306,71 @@ def test_a_machine_times_each_shape_once(kernel_rows, monkeypatch, capsys, tmp_p
     assert multirow.choices_path() != path
     multirow.choose(routed_model())
     assert len(asked) == 3 * timings + len(multirow.ROWS)
+
+
+@pytest.mark.parametrize("content", ["[]", '{"SHAPE": 5}', '{"SHAPE": [1, 9]}', '{"SHAPE": [2, "8"]}'])
+def test_a_malformed_choices_file_is_timed_again(kernel_rows, monkeypatch, content):
+    """A file that is no mapping, or whose rows are no list of 2-8, is
+    not read (so the kernel never takes 1 or 9 rows from a file): its
+    shapes are timed again, and the file rewritten."""
+    kernel_faster, asked = timed(lambda shape, rows: True)
+    monkeypatch.setattr(multirow, "kernel_faster", kernel_faster)
+    model = quantized(tiny_qwen3(seed=7))
+    multirow.route(model)
+    shape = multirow.shape_key(model.model.layers[0].mlp.down_proj)
+    path = multirow.choices_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(content.replace("SHAPE", shape))
+    assert multirow.choose(model) > 0
+    assert {rows for s, rows, _ in asked if s == shape} == set(multirow.ROWS)
+    assert all(rows == tuple(multirow.ROWS) for _, rows in multirow.routing(model))
+    assert json.loads(path.read_text())[shape] == list(multirow.ROWS)
+
+
+def test_a_kernel_that_fails_at_a_shape_leaves_that_shape_to_mlx(kernel_rows, monkeypatch, capsys):
+    """Where the kernel does not compile or run at one shape and row count
+    (the check before routing tried one small product), MLX's kernels take
+    that shape's rows; the others keep the kernel."""
+    model = quantized(tiny_qwen3(seed=8))
+    multirow.route(model)
+    failing = multirow.shape_key(model.model.layers[0].mlp.down_proj)
+
+    def kernel_faster(modules, rows):
+        if multirow.shape_key(modules[0]) == failing and rows == 3:
+            raise RuntimeError("no kernel image is available")
+        return True
+
+    monkeypatch.setattr(multirow, "kernel_faster", kernel_faster)
+    multirow.choose(model)
+    rows = dict(multirow.routing(model))
+    assert rows.pop(failing) == (2, 4, 5, 6, 7, 8)
+    assert rows and all(r == tuple(multirow.ROWS) for r in rows.values())
+    assert f"not used at {failing}, 3 rows: no kernel image" in capsys.readouterr().err
+
+
+def test_a_target_timed_slower_everywhere_is_not_timed_again_each_generation(kernel_rows, monkeypatch):
+    """``adapt_target`` tries routing a target once a process: where the
+    kernel was slower at every shape, the next generations neither check
+    nor time it again (even where the choices could not be kept)."""
+    monkeypatch.setattr(multirow, "available", lambda: True)
+    kernel_faster, asked = timed(lambda shape, rows: False)
+    monkeypatch.setattr(multirow, "kernel_faster", kernel_faster)
+    monkeypatch.setenv("MLX_DSPARK_CACHE", "/dev/null/nowhere")
+    checks = []
+    works = multirow.works
+    monkeypatch.setattr(multirow, "works", lambda: checks.append(1) or works())
+    model, _ = load(str(FIXTURES / "deepspec-tiny" / "target_tiny_gemma4"))
+    quantized(model)
+    drafter = mlx_dspark.load_drafter(FIXTURES / "deepspec-tiny" / "dspark_tiny_gemma4_block4")
+    prompt = [65, 211, 266, 241, 234]
+    for _ in range(3):
+        assert speculative(model, drafter, prompt, 8)[0] == plain_greedy(model, prompt, 8)
+    assert multirow.routed_count(model) == 0
+    assert len(checks) == 1 and 0 < len(asked) <= 10 * len(multirow.ROWS)
+    timings = len(asked)
+    multirow.unroute(model)  # routing turned off and on again: tried again
+    adapt_target(model, drafter)
+    assert len(checks) == 2 and len(asked) == 2 * timings
 
 
 def test_an_unwritable_cache_folder_costs_a_timing_not_the_routing(kernel_rows, monkeypatch, tmp_path):
@@ -314,17 +394,25 @@ def test_kernel_faster_compares_the_kernel_s_time_with_mlx_s(monkeypatch, kernel
     """``kernel_faster`` times the kernel on all the modules of a shape at
     the rows asked, each product reading the one before's outputs (on a GPU
     independent ones run side by side), against MLX's kernels on the same
-    (the clock injected: the kernel takes ``kernel_seconds`` each pass, MLX 2)."""
+    (the clock injected: what ran the kernel between two readings took
+    ``kernel_seconds``, anything else 2)."""
     inputs = []
 
     def stand_in(x, w, scales, biases, group_size):
         inputs.append(x)
         return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
 
+    readings = []
+
+    def clock():  # a reading before each timed call, and one after
+        readings.append(len(inputs))
+        if len(readings) % 2:
+            return 0.0
+        return kernel_seconds if readings[-1] > readings[-2] else 2.0
+
     monkeypatch.setattr(multirow, "multirow_matmul", stand_in)
     modules = [nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4) for _ in range(3)]
-    ticks = iter([0.0, kernel_seconds, 0.0, 2.0] * multirow.costs.REPEATS)
-    assert TIMED_KERNEL_FASTER(modules, 5, clock=lambda: next(ticks)) is faster
+    assert TIMED_KERNEL_FASTER(modules, 5, clock=clock) is faster
     assert [x.shape for x in inputs] == [(5, 64)] * 3 * 2 * multirow.costs.REPEATS  # untimed and timed, each pass
     first, second, third = inputs[:3]
     assert second is not first and third is not second  # each the one before's outputs
@@ -334,8 +422,6 @@ def test_kernel_faster_compares_the_kernel_s_time_with_mlx_s(monkeypatch, kernel
 def test_the_doctor_says_how_many_modules_the_multirow_kernel_verifies(kernel_rows, monkeypatch, capsys, tmp_path):
     """``mlx_dspark doctor``'s pair: the modules routed (none on this CPU),
     and its text says so where there are any."""
-    import json
-
     from mlx_dspark import doctor
 
     model, _ = load(str(FIXTURES / "deepspec-tiny" / "target_tiny_gemma4"))

@@ -53,7 +53,8 @@ def adapt_target(model: nn.Module, drafter):
     drafter.check_target(target)
     if not multirow.available():
         multirow.unroute(model)
-    elif not multirow.routed_count(model) and any(map(multirow.fits, model.modules())):
+    elif not multirow.considered(model) and any(map(multirow.fits, model.modules())):
+        multirow.consider(model)
         failed = multirow.works()
         if failed:
             print(

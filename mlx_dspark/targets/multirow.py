@@ -5,9 +5,9 @@ MLX 0.32's CUDA backend runs 2-7 rows of an affine 4-bit matmul as one
 matrix-vector product a row, each reading the whole weight again, and 8 or
 more as a tiled product that leaves the GPU mostly idle at a 12B's widths:
 on an H100 a Gemma-4-12B 4-bit verify of 2, 4 and 8 rows took 22.6, 36.1 and
-28.4 ms against one row's 13.6; with this kernel 16.4, 18.3 and 21.4, and
-issue #14's 4-bit chat rows went from 0.98-1.07x of plain decoding to
-1.33-1.40x (BENCHMARKS.md, "Session 39"). MLX has the same idea
+28.4 ms against one row's 13.6; with this kernel at every row count 16.4,
+18.3 and 21.4, and issue #14's 4-bit chat rows went from 0.98-1.07x of
+plain decoding to 1.33-1.40x (BENCHMARKS.md, "Session 39"). MLX has the same idea
 for Apple silicon (``qmv_wide``, M3 and later), so only CUDA needs it.
 
 ``route`` gives a model's fitting projections (and a tied 4-bit output
@@ -260,10 +260,23 @@ def unroute(model: nn.Module) -> None:
     off, or the default device no longer MLX-CUDA's GPU, since routing)."""
     for module in _routed(model):
         _to_mlx(module)
+    model.__dict__.pop("multirow_considered", None)
+
+
+def considered(model: nn.Module) -> bool:
+    """Whether routing ``model`` was tried in this process (whatever came of
+    it: a kernel that failed its check, or timed slower everywhere, is not
+    tried again each generation), since ``unroute``."""
+    return model.__dict__.get("multirow_considered", False)
+
+
+def consider(model: nn.Module) -> None:
+    model.multirow_considered = True
 
 
 def _to_mlx(module) -> None:
     module.__class__ = {routed: own for own, routed in ROUTED.items()}[type(module)]
+    module.__dict__.pop("kernel_rows", None)  # routed again, it starts from every row
 
 
 def _routed(model: nn.Module) -> list:
@@ -291,7 +304,7 @@ def kernel_faster(modules, rows: int, clock=None) -> bool:
     ``modules`` (one shape; all of them, so that the weights come from
     memory as in a verify, not from the cache) faster than MLX's kernels."""
     first = modules[0]
-    x = mx.random.normal((rows, first.weight.shape[1] * 8)).astype(first.scales.dtype)
+    x = mx.random.normal((rows, first.weight.shape[1] * 8), key=mx.random.key(0)).astype(first.scales.dtype)
 
     def chained(product):
         # Each product waits for the one before, as a forward's do: MLX-CUDA
@@ -339,7 +352,7 @@ def choose(model: nn.Module) -> int:
             file=sys.stderr,
         )
         for shape in missing:
-            known[shape] = [rows for rows in ROWS if kernel_faster(by_shape[shape], rows)]
+            known[shape] = [rows for rows in ROWS if _timed_faster(by_shape[shape], rows)]
         _save_choices(path, {shape: known[shape] for shape in missing})
     for shape, modules in by_shape.items():
         rows = frozenset(known[shape])
@@ -351,12 +364,30 @@ def choose(model: nn.Module) -> int:
     return routed_count(model)
 
 
+def _timed_faster(modules, rows: int) -> bool:
+    """``kernel_faster``, where a kernel that does not compile or run at
+    this shape and row count (``works`` tried one small product) is not."""
+    try:
+        return kernel_faster(modules, rows)
+    except RuntimeError as e:
+        print(f"mlx-dspark: the multirow kernel is not used at {shape_key(modules[0])}, {rows} rows: {e}", file=sys.stderr)
+        return False
+
+
+# How ``kernel_faster`` times: part of the choices' key, so that a change of
+# it times every shape again.
+TIMING = "chained products, fastest of costs.REPEATS passes"
+
+
 def choices_path() -> Path:
-    """This machine's choices: its device, MLX and the kernel's source."""
+    """This machine's choices: its device, MLX, its launch settings, the
+    kernel's source and how it was timed."""
     identity = {
         "device": costs.device_identity(),
         "mlx": mx.__version__,
+        "settings": {name: os.environ[name] for name in costs.LAUNCH_SETTINGS if name in os.environ},
         "kernel": [SOURCE, COLUMNS, WARPS_PER_BLOCK],
+        "timing": [TIMING, costs.REPEATS],
     }
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
     return user_cache_dir() / "multirow" / f"{key}.json"
