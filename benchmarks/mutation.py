@@ -1693,6 +1693,13 @@ MUTANTS = [
         ("tests/test_multirow.py",),
     ),
     Mutant(
+        "mlx_lm.generate's preflight routes and times the unread target",
+        "mlx_dspark/integration/cli.py",
+        "from ..speculative.engine import checked_target\n",
+        "from ..speculative.engine import adapt_target as checked_target\n",
+        ("tests/test_multirow.py",),
+    ),
+    Mutant(
         "the multirow choices are another device's",
         "mlx_dspark/targets/multirow.py",
         '        "device": costs.device_identity(),\n',

@@ -462,3 +462,33 @@ def test_a_kernel_that_does_not_compile_or_compute_is_not_used(monkeypatch, caps
     said = capsys.readouterr().err
     why = "did not compile or run" if failure == "no compiler" else "computed another product than MLX's"
     assert f"the multirow kernel is not used: it {why}" in said
+
+
+def test_checking_a_pair_before_loading_it_routes_and_times_nothing(monkeypatch):
+    """``mlx_lm.generate``'s preflight and the server's check of a request
+    for another model adapt a lazily loaded target to check the drafter
+    against it: neither routes it nor times the kernel, which would read a
+    whole 4-bit target's weights only to check a pair."""
+    from mlx_dspark.integration import checks, cli
+
+    monkeypatch.setattr(multirow, "available", lambda: True)
+    tried = []
+    monkeypatch.setattr(multirow, "works", lambda: tried.append("works") or "")
+    monkeypatch.setattr(multirow, "kernel_faster", lambda modules, rows: tried.append("timed") or True)
+    targets = []
+
+    def lazy_4_bit(*args, **kwargs):
+        model, rest = load(*args, **kwargs)
+        assert kwargs.get("lazy")
+        targets.append(quantized(model))
+        return model, rest
+
+    monkeypatch.setattr(cli, "load_model", lazy_4_bit)
+    monkeypatch.setattr(checks, "load", lazy_4_bit)
+    monkeypatch.setattr(cli, "preloaded", {})
+    path = FIXTURES / "deepspec-tiny"
+    target, draft = str(path / "target_tiny_gemma4"), str(path / "dspark_tiny_gemma4_block4")
+    cli.preflight(target, draft, mlx_dspark.load_drafter(draft, lazy=True))
+    assert checks._unloaded.__wrapped__(target, None, draft) is not None
+    assert len(targets) == 2 and any(map(multirow.fits, targets[0].modules()))
+    assert tried == [] and all(multirow.routed_count(t) == 0 for t in targets)

@@ -11,7 +11,7 @@ from functools import lru_cache
 from mlx_lm.utils import load
 
 from ..checkpoints import load_drafter
-from ..speculative.engine import adapt_target
+from ..speculative.engine import checked_target
 from ..validation import check_num_draft_tokens, check_token_ids, is_drafter, vocab_size
 from .dispatch import drafter_config, drafter_options
 
@@ -38,7 +38,7 @@ def _unloaded(model_path, adapter_path, draft_path):
     drafter = None
     if draft_path is not None and drafter_config(draft_path) is not None:
         drafter = load_drafter(draft_path, lazy=True, **drafter_options)
-        adapt_target(model, drafter)
+        checked_target(model, drafter)
     return model, tokenizer, drafter
 
 

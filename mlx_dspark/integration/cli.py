@@ -14,7 +14,7 @@ from mlx_lm.utils import _download, load_model
 from ..checkpoints import load_drafter, looks_like_drafter
 from ..confidence.costs import launch_settings_for_speculation
 from ..confidence.schedulers import SCHEDULERS
-from ..speculative.engine import adapt_target
+from ..speculative.engine import checked_target
 from ..plugins import drafter_kinds, find_drafter_kind
 from ..validation import (
     check_num_draft_tokens,
@@ -181,7 +181,7 @@ def preflight(model_path: str, draft_path: str, drafter) -> None:
             "drafts for."
         )
     target, _ = load_model(_download(model_path), lazy=True)
-    adapt_target(target, drafter)
+    checked_target(target, drafter)
     launch_settings_for_speculation(target)
     preloaded[draft_path] = (threading.get_ident(), drafter)
 

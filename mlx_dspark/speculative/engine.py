@@ -47,10 +47,20 @@ from .stats import Round, SpeculativeStats
 PARKED_TAPS_AT_MOST = 64
 
 
-def adapt_target(model: nn.Module, drafter):
+def checked_target(model: nn.Module, drafter):
+    """``model``'s target adapter, checked against ``drafter``; reads no
+    weights (a lazily loaded target stays unread)."""
     check_drafter(drafter)
     target = find_target_adapter(model).adapt(model)
     drafter.check_target(target)
+    return target
+
+
+def adapt_target(model: nn.Module, drafter):
+    """``checked_target``, with a 4-bit target's verify routed to the
+    multirow kernel where it is faster (MLX-CUDA; timing it reads the
+    weights)."""
+    target = checked_target(model, drafter)
     if not multirow.available():
         multirow.unroute(model)
     elif not multirow.considered(model) and any(map(multirow.fits, model.modules())):
