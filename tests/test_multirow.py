@@ -444,13 +444,17 @@ def test_the_doctor_says_how_many_modules_the_multirow_kernel_verifies(kernel_ro
     assert f"verified by the multirow kernel in {routed} modules" in doctor.format_report(report)
 
 
-@pytest.mark.parametrize("failure", ["no compiler", "wrong product"])
+@pytest.mark.parametrize("failure", ["no compiler", "wrong product", "groups mixed up"])
 def test_a_kernel_that_does_not_compile_or_compute_is_not_used(monkeypatch, capsys, failure):
     """Before routing, the kernel computes a small product: where it cannot
     (no NVRTC, here MLX on the CPU) or computes another product than MLX's,
     the target stays on MLX's kernels, losslessly, and stderr says why."""
     if failure == "wrong product":
         monkeypatch.setattr(multirow, "multirow_matmul", lambda x, w, *_: mx.zeros((x.shape[0], w.shape[0])))
+    if failure == "groups mixed up":  # each output row's group scales the wrong way round
+        def mixed_up(x, w, scales, biases, group_size):
+            return x @ mx.dequantize(w, scales[:, ::-1], biases, group_size=group_size, bits=4).T
+        monkeypatch.setattr(multirow, "multirow_matmul", mixed_up)
     monkeypatch.setattr(multirow, "available", lambda: True)
     model, _ = load(str(FIXTURES / "deepspec-tiny" / "target_tiny_gemma4"))
     quantized(model)

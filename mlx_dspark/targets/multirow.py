@@ -231,14 +231,17 @@ def works() -> str:
     compile (NVRTC, at run time) and compute a small product as MLX does.
     MLX keeps the compiled kernel on disk, so this costs a compile once a
     machine."""
-    # bf16, as 4-bit checkpoints run (and as the kernel was timed on a GPU):
-    # within two of its rounding steps of MLX's.
-    linear = nn.QuantizedLinear(64, 2 * COLUMNS, bias=False, group_size=32, bits=4)
-    linear.set_dtype(mx.bfloat16)
+    # bf16, as 4-bit checkpoints run (and as the kernel was timed on a GPU).
+    # A product computed in another order differs from MLX's by a few bf16
+    # roundings (on an H100, 0.2-0.7% of the largest output); a wrong one
+    # by about the outputs themselves.
+    weights = mx.random.normal((2 * COLUMNS, 64), key=mx.random.key(1)).astype(mx.bfloat16)
+    quantized = mx.quantize(weights, group_size=32, bits=4)
     x = mx.random.normal((2, 64), key=mx.random.key(0)).astype(mx.bfloat16)
     try:
-        ours = multirow_matmul(x, linear.weight, linear.scales, linear.biases, linear.group_size)
-        same = mx.allclose(ours, linear(x), rtol=2**-6, atol=2**-6).item()
+        ours = multirow_matmul(x, *quantized, 32)
+        theirs = mx.quantized_matmul(x, *quantized, transpose=True, group_size=32, bits=4)
+        same = (mx.abs(ours - theirs).max() <= 2**-4 * mx.abs(theirs).max()).item()
     except RuntimeError as e:
         return f"it did not compile or run ({e})"
     return "" if same else "it computed another product than MLX's"
