@@ -22,6 +22,9 @@ the shapes below), which drafts a step a draft. ``--shapes 12b``
 (or ``--scale N``): random weights at Gemma-4-12B shapes with **replayed
 acceptance** at ``--tau`` (see ``speculative.replayed_acceptance``); with
 random weights the policy's acceptance estimate follows the replayed rounds.
+``--target-bits 4``: the target quantized as ``mlx_lm.convert -q`` does (on
+MLX-CUDA the engine then verifies 2-8 rows in all by its multirow kernel,
+where timed faster; the JSON says how many modules).
 """
 
 import argparse
@@ -43,6 +46,7 @@ from mlx_dspark.batching.policy import BatchPolicy, FixedPolicy
 from mlx_dspark.progress import progress
 from mlx_dspark.speculative.engine import speculative_generate_step
 from mlx_dspark.speculative.stats import SpeculativeStats
+from mlx_dspark.targets import multirow
 
 import shapes
 from speculative import TINY, replayed_acceptance
@@ -107,6 +111,7 @@ def main():
     parser.add_argument("--scale", type=int)
     parser.add_argument("--drafter", choices=["dspark", "assistant"], default="dspark")
     parser.add_argument("--tau", type=float, default=3.3)
+    parser.add_argument("--target-bits", type=int, choices=[4, 8, 16], default=16)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -155,6 +160,8 @@ def measure(args, parser):
 
     replay = args.shapes or args.scale
     model, drafter, vocab = pair(args)
+    if args.target_bits != 16:
+        shapes.quantize(model, args.target_bits)
 
     # mlx_lm.server runs its batch generator on the thread's default stream,
     # where its reads of each token's log-probability run too.
@@ -247,7 +254,10 @@ def measure(args, parser):
         )
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"args": vars(args), "replayed": bool(replay), "results": results}, indent=1)
+            json.dumps(
+                {"args": vars(args), "replayed": bool(replay), "multirow": multirow.routed_count(model), "results": results},
+                indent=1,
+            )
         )
 
 

@@ -27,7 +27,9 @@
 # 4-bit target's 2-8 verify rows by a kernel of our own) checked per shape and
 # timed in the verify against MLX's (150 s on a fresh H100 in session 39,
 # its first compiles included). `nomultirow`: the 4-bit rows on MLX's own kernels
-# (`MLX_DSPARK_MULTIROW=0`), the baseline of the kernel's.
+# (`MLX_DSPARK_MULTIROW=0`), the baseline of the kernel's. `batch4bit`: the
+# batched generator against mlx-lm's at 1, 4 and 8 sequences on the 4-bit
+# target (`batch.py`, as the server drives it), with the kernel and without.
 set -euo pipefail
 export PYTHONPATH=~/site
 export MLX_DSPARK_CACHE="${MLX_DSPARK_CACHE:-$HOME/mdc}"
@@ -64,6 +66,12 @@ fi
 if [[ $parts == *" nomultirow "* ]]; then
     MLX_DSPARK_MULTIROW=0 paired --context 2048 --target-bits 4 --drafters assistant dspark dflash \
         --out "$OUT/paired-ctx2048-4bit-nomultirow.jsonl"
+fi
+if [[ $parts == *" batch4bit "* ]]; then
+    for multirow in 1 0; do
+        MLX_DSPARK_MULTIROW=$multirow python3 batch.py --drafter assistant --shapes 12b --tau 3.3 \
+            --batch 1 4 8 --target-bits 4 --like-server --json "$OUT/batch-4bit-multirow$multirow.json"
+    done
 fi
 if [[ $parts == *" bf16 "* ]]; then
     paired --context 2048 --target-bits 16 --drafters dspark assistant dflash \

@@ -225,6 +225,34 @@ def test_every_mutant_names_code_that_occurs_once(bench):
     assert len({m.name for m in mutation.MUTANTS}) == len(mutation.MUTANTS)
 
 
+def test_batch_runs_a_4_bit_target_through_the_multirow_kernel(bench, monkeypatch, tmp_path):
+    """``batch.py --target-bits 4``: the batched generator's verifies on a
+    4-bit target, by the multirow kernel where the engine routes it (here a
+    stand-in), and the JSON says how many modules it took."""
+    from mlx_dspark.targets import multirow
+
+    batch = bench("batch")
+    rows_seen = []
+
+    def stand_in(x, w, scales, biases, group_size):
+        rows_seen.append(x.shape[0])
+        return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
+
+    monkeypatch.setattr(multirow, "multirow_matmul", stand_in)
+    monkeypatch.setattr(multirow, "kernel_faster", lambda modules, rows: True)  # not this CPU's timing
+    monkeypatch.setattr(multirow, "available", lambda: True)
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "batch.json"
+    argv = ["batch.py", "--scale", "16", "--context", "16", "--max-tokens", "4", "--repeats", "1"]
+    argv += ["--batch", "2", "--only", "spec-fixed", "--target-bits", "4", "--json", str(out)]
+    monkeypatch.setattr("sys.argv", argv)
+    batch.main()
+    report = json.loads(out.read_text())
+    assert report["args"]["target_bits"] == 4 and report["multirow"] > 0
+    assert report["results"][0]["spec-fixed"] > 0
+    assert rows_seen and max(rows_seen) <= 8
+
+
 def test_paired_splits_the_time_lost_by_kind_of_round(bench):
     """Each round's seconds run from the first token of the round before (a
     generation's first, from the prompt's token) to its own; a kind's loss
